@@ -1,0 +1,1 @@
+"""Parts of smdistributed shared by the framework front ends: rank discovery and the smddprun launcher."""

@@ -1,0 +1,341 @@
+"""The process's handle on the native engine, for buffers that expose a data pointer.
+
+Frontends (torch, TensorFlow) and tests call this module; it turns numpy arrays (or any
+framework tensor viewed as one) into pointer + dtype + shape for the core, keeps the
+arrays alive while the engine works on them, and hands back results. It holds no
+collective logic of its own.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import threading
+from typing import Optional, Sequence, Union
+
+import numpy as np
+
+from smdistributed import _core
+from smdistributed.common.discovery import WorldInfo, discover
+
+SmddpError = _core.SmddpError
+DType = _core.DType
+ReduceOp = _core.ReduceOp
+OpType = _core.OpType
+
+_NUMPY_TO_CORE = {
+    np.dtype(np.float16): DType.float16,
+    np.dtype(np.float32): DType.float32,
+    np.dtype(np.float64): DType.float64,
+    np.dtype(np.int8): DType.int8,
+    np.dtype(np.uint8): DType.uint8,
+    np.dtype(np.int32): DType.int32,
+    np.dtype(np.int64): DType.int64,
+    np.dtype(np.bool_): DType.bool,
+}
+
+_OP_NAMES = {
+    "sum": ReduceOp.SUM,
+    "average": ReduceOp.AVERAGE,
+    "avg": ReduceOp.AVERAGE,
+    "mean": ReduceOp.AVERAGE,
+    "min": ReduceOp.MIN,
+    "max": ReduceOp.MAX,
+    "product": ReduceOp.PRODUCT,
+    "prod": ReduceOp.PRODUCT,
+}
+
+DTypeLike = Union[str, DType, np.dtype, None]
+
+
+def core_dtype(array: np.ndarray, override: DTypeLike = None) -> DType:
+    """The core dtype of `array`; `override` reinterprets its bytes (bfloat16 in uint16)."""
+    if override is not None:
+        if isinstance(override, DType):
+            return override
+        name = override if isinstance(override, str) else np.dtype(override).name
+        try:
+            dt = DType.__members__[name]
+        except KeyError:
+            raise TypeError(f"unsupported dtype {name!r}; supported: {', '.join(DType.__members__)}") from None
+        if _core.dtype_size(dt) != array.dtype.itemsize:
+            raise TypeError(f"cannot view {array.dtype} elements as {name}")
+        return dt
+    if array.dtype.name == "bfloat16":  # ml_dtypes / TF's numpy bfloat16
+        return DType.bfloat16
+    try:
+        return _NUMPY_TO_CORE[array.dtype]
+    except KeyError:
+        raise TypeError(
+            f"unsupported dtype {array.dtype}; supported: float16, bfloat16, float32, float64, "
+            "int8, uint8, int32, int64, bool"
+        ) from None
+
+
+def reduce_op(op: Union[str, ReduceOp]) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    try:
+        return _OP_NAMES[str(op).lower()]
+    except KeyError:
+        raise ValueError(f"unknown reduce op {op!r}; use one of SUM, AVERAGE, MIN, MAX, PRODUCT") from None
+
+
+def _contiguous(array: np.ndarray, what: str) -> np.ndarray:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{what} must be a numpy array, got {type(array).__name__}")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous (call np.ascontiguousarray first)")
+    return array
+
+
+class Work:
+    """A queued operation. `wait()` blocks (GIL released) and returns the result."""
+
+    def __init__(self, engine, handle: int, keep, finish=None):
+        self._engine = engine
+        self._handle = handle
+        self._keep = keep  # arrays the engine reads or writes until completion
+        self._finish = finish  # computes the result from the completed handle
+        self._result = None
+        self._done = False
+        self._lock = threading.Lock()
+
+    def is_completed(self) -> bool:
+        return self._done or self._engine.poll(self._handle)
+
+    def wait(self, timeout: Optional[float] = None):
+        with self._lock:
+            if self._done:
+                return self._result
+            keep = self._finish is not None  # results sized by negotiation are read first
+            self._engine.wait(self._handle, -1.0 if timeout is None else timeout, keep)
+            try:
+                if keep:
+                    self._result = self._finish(self._engine, self._handle)
+            finally:
+                if keep:
+                    self._engine.release(self._handle)
+            self._done = True
+            self._keep = None
+            return self._result
+
+
+class Core:
+    """One engine per process. Collective methods take numpy arrays."""
+
+    def __init__(self, world: Optional[WorldInfo] = None):
+        self.world = world or discover()
+        w = self.world
+        self._engine = _core.Engine(
+            rank=w.rank, size=w.size, local_rank=w.local_rank, local_size=w.local_size, host=w.host,
+            store_addr=w.store_addr, store_port=w.store_port, secret=w.secret,
+        )
+        self._names = {}
+        self._name_lock = threading.Lock()
+        self._closed = False
+
+    # ---- world -------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._engine.rank
+
+    @property
+    def size(self) -> int:
+        return self._engine.size
+
+    @property
+    def local_rank(self) -> int:
+        return self._engine.local_rank
+
+    @property
+    def local_size(self) -> int:
+        return self._engine.local_size
+
+    @property
+    def num_hosts(self) -> int:
+        return self._engine.num_hosts
+
+    @property
+    def host_index(self) -> int:
+        return self._engine.host_index
+
+    def counters(self) -> dict:
+        return self._engine.counters()
+
+    def store_refused_connections(self) -> int:
+        return self._engine.store_refused_connections()
+
+    def _auto_name(self, kind: str, name: Optional[str]) -> str:
+        # Unnamed operations are matched across ranks by call order, like torch.distributed.
+        if name is not None:
+            return name
+        with self._name_lock:
+            n = self._names.get(kind, 0)
+            self._names[kind] = n + 1
+        return f"{kind}.{n}"
+
+    def _submit(self, op, name, inp, out, dtype, *, shape=None, reduce=ReduceOp.SUM, root=0, splits=(),
+                per_rank=(), prescale=1.0, postscale=1.0, async_op=False, finish=None, keep=()):
+        handle = self._engine.submit(
+            op=op, name=name, in_ptr=inp.ctypes.data, out_ptr=0 if out is None else out.ctypes.data,
+            count=inp.size, out_capacity=0 if out is None else out.nbytes, dtype=dtype,
+            shape=list(inp.shape if shape is None else shape), reduce_op=reduce, root=root, splits=list(splits),
+            per_rank=list(per_rank), prescale=prescale, postscale=postscale,
+        )
+        work = Work(self._engine, handle, (inp, out) + tuple(keep), finish)
+        if async_op:
+            return work
+        return work.wait()
+
+    # ---- collectives -------------------------------------------------------------------
+    def allreduce(self, array: np.ndarray, op="sum", *, name=None, out=None, dtype: DTypeLike = None,
+                  prescale=1.0, postscale=1.0, async_op=False):
+        """Reduces across ranks into `out` (default: in place). Returns `out` (or a Work)."""
+        array = _contiguous(array, "allreduce input")
+        out = array if out is None else _contiguous(out, "allreduce output")
+        if out.nbytes != array.nbytes:
+            raise ValueError("allreduce output must have the input's size")
+        dt = core_dtype(array, dtype)
+        r = self._submit(OpType.ALLREDUCE, self._auto_name("allreduce", name), array, out, dt,
+                         reduce=reduce_op(op), prescale=prescale, postscale=postscale, async_op=async_op)
+        return r if async_op else out
+
+    def broadcast(self, array: np.ndarray, root: int = 0, *, name=None, out=None, dtype: DTypeLike = None,
+                  async_op=False):
+        array = _contiguous(array, "broadcast buffer")
+        out = array if out is None else _contiguous(out, "broadcast output")
+        r = self._submit(OpType.BROADCAST, self._auto_name("broadcast", name), array, out, core_dtype(array, dtype),
+                         root=root, async_op=async_op)
+        return r if async_op else out
+
+    def reduce(self, array: np.ndarray, root: int = 0, op="sum", *, name=None, out=None,
+               dtype: DTypeLike = None, async_op=False):
+        """Reduction to `root`; root's `out` (default: the input) receives it."""
+        array = _contiguous(array, "reduce input")
+        out = array if out is None else _contiguous(out, "reduce output")
+        r = self._submit(OpType.REDUCE, self._auto_name("reduce", name), array, out, core_dtype(array, dtype),
+                         reduce=reduce_op(op), root=root, async_op=async_op)
+        return r if async_op else out
+
+    def allgather(self, array: np.ndarray, *, name=None, out=None, dtype: DTypeLike = None, async_op=False):
+        """Concatenates every rank's array along dim 0; the first dimension may differ per rank.
+
+        Returns the gathered array (or a Work whose wait() does); with `out`, fills it.
+        """
+        array = _contiguous(array, "allgather input")
+        shape = array.shape if array.ndim else (1,)
+        dt = core_dtype(array, dtype)
+
+        def finish(engine, handle):
+            if out is not None:
+                return out
+            rows = engine.result_counts(handle)
+            result = np.empty((sum(rows),) + tuple(shape[1:]), dtype=array.dtype)
+            engine.copy_owned_output(handle, result.ctypes.data)
+            return result
+
+        if out is not None:
+            _contiguous(out, "allgather output")
+        return self._submit(OpType.ALLGATHER, self._auto_name("allgather", name), array, out, dt, shape=shape,
+                            per_rank=[shape[0]], async_op=async_op, finish=finish)
+
+    def reduce_scatter(self, array: np.ndarray, op="sum", *, name=None, counts: Optional[Sequence[int]] = None,
+                       out=None, dtype: DTypeLike = None, async_op=False):
+        """Reduces the flattened `array` and returns this rank's block (equal blocks, or `counts`)."""
+        array = _contiguous(array, "reduce_scatter input")
+        if counts is None:
+            if array.size % self.size:
+                raise ValueError(f"reduce_scatter input of {array.size} elements does not split evenly over "
+                                 f"{self.size} ranks; pass counts=")
+            counts = [array.size // self.size] * self.size
+        counts = [int(c) for c in counts]
+        if len(counts) != self.size or sum(counts) != array.size:
+            raise ValueError("reduce_scatter counts must give one block per rank and sum to the input size")
+        out = np.empty(counts[self.rank], dtype=array.dtype) if out is None else _contiguous(out, "reduce_scatter output")
+        r = self._submit(OpType.REDUCE_SCATTER, self._auto_name("reduce_scatter", name), array, out,
+                         core_dtype(array, dtype), reduce=reduce_op(op), splits=counts, async_op=async_op,
+                         finish=lambda e, h: out)
+        return r
+
+    def alltoall(self, array: np.ndarray, splits: Optional[Sequence[int]] = None, *, name=None, out=None,
+                 dtype: DTypeLike = None, async_op=False):
+        """Sends rows splits[j] to rank j (equal split by default). Returns (received, recv_splits)."""
+        array = _contiguous(array, "alltoall input")
+        shape = array.shape if array.ndim else (1,)
+        if splits is None:
+            if shape[0] % self.size:
+                raise ValueError(f"alltoall input's first dimension {shape[0]} does not split evenly over "
+                                 f"{self.size} ranks; pass splits=")
+            splits = [shape[0] // self.size] * self.size
+        splits = [int(s) for s in splits]
+        if len(splits) != self.size or sum(splits) != shape[0] or min(splits) < 0:
+            raise ValueError("alltoall splits must give one non-negative row count per rank summing to dim 0")
+
+        def finish(engine, handle):
+            rows = list(engine.result_counts(handle))
+            if out is not None:
+                return out, rows
+            result = np.empty((sum(rows),) + tuple(shape[1:]), dtype=array.dtype)
+            engine.copy_owned_output(handle, result.ctypes.data)
+            return result, rows
+
+        if out is not None:
+            _contiguous(out, "alltoall output")
+        return self._submit(OpType.ALLTOALL, self._auto_name("alltoall", name), array, out,
+                            core_dtype(array, dtype), shape=shape, per_rank=splits, async_op=async_op,
+                            finish=finish)
+
+    def barrier(self, *, name=None, async_op=False):
+        dummy = np.zeros(0, dtype=np.uint8)
+        return self._submit(OpType.BARRIER, self._auto_name("barrier", name), dummy, None, DType.uint8,
+                            async_op=async_op)
+
+    def send(self, array: np.ndarray, peer: int, tag: int = 0, async_op=False):
+        array = _contiguous(array, "send buffer")
+        work = Work(self._engine, self._engine.send(peer, tag, array.ctypes.data, array.nbytes), (array,))
+        return work if async_op else work.wait()
+
+    def recv(self, array: np.ndarray, peer: int, tag: int = 0, async_op=False):
+        array = _contiguous(array, "recv buffer")
+        work = Work(self._engine, self._engine.recv(peer, tag, array.ctypes.data, array.nbytes), (array,))
+        if async_op:
+            return work
+        work.wait()
+        return array
+
+    def shutdown(self):
+        if not self._closed:
+            self._closed = True
+            self._engine.shutdown()
+
+
+_core_instance: Optional[Core] = None
+_instance_lock = threading.Lock()
+
+
+def init(world: Optional[WorldInfo] = None) -> Core:
+    """Starts this process's engine (idempotent) and returns it."""
+    global _core_instance
+    with _instance_lock:
+        if _core_instance is None:
+            _core_instance = Core(world)
+            atexit.register(_core_instance.shutdown)
+        return _core_instance
+
+
+def get() -> Core:
+    if _core_instance is None:
+        raise RuntimeError("smdistributed is not initialized: call init() first")
+    return _core_instance
+
+
+def is_initialized() -> bool:
+    return _core_instance is not None
+
+
+def shutdown():
+    global _core_instance
+    with _instance_lock:
+        if _core_instance is not None:
+            _core_instance.shutdown()
+            _core_instance = None

@@ -1,0 +1,1 @@
+"""smdistributed.dataparallel: data-parallel training over the native collective engine."""

@@ -1,0 +1,1 @@
+"""smdistributed: open implementation of SageMaker's distributed training libraries."""

@@ -1,0 +1,1 @@
+"""smdistributed.dataparallel.tensorflow: the TensorFlow frontend."""

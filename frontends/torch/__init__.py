@@ -1,0 +1,1 @@
+"""smdistributed.dataparallel.torch: the PyTorch frontend (the smddp backend and the older API)."""

@@ -1,0 +1,263 @@
+#include "comm.h"
+
+#include <functional>
+#include <map>
+#include <sstream>
+#include <unistd.h>
+
+#include "wait.h"
+#include "wire.h"
+
+namespace smddp {
+
+namespace {
+
+std::vector<std::string> split_lines(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string line;
+  while (std::getline(ss, line)) out.push_back(line);
+  return out;
+}
+
+std::string hex_hash(const std::string& s) {
+  // FNV-1a: only to make a short, job-unique shared-memory name, not for security.
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  char buf[17];
+  std::snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(h));
+  return buf;
+}
+
+}  // namespace
+
+Comm::Comm(const WorldSpec& spec, const EngineConfig& config)
+    : config_(config), rank_(spec.rank), size_(spec.size), secret_(spec.secret) {
+  if (size_ < 1) throw Error("world size must be at least 1, got " + std::to_string(size_));
+  if (rank_ < 0 || rank_ >= size_)
+    throw Error("rank " + std::to_string(rank_) + " is outside the world of size " + std::to_string(size_));
+  channels_.resize(size_);
+  for (auto& c : channels_) c.resize(kNumChannelKinds);
+  if (size_ == 1) {
+    host_ranks_ = {{0}};
+    rank_host_ = {0};
+    return;
+  }
+  try {
+    bootstrap(spec);
+  } catch (...) {
+    if (segment_) segment_->unlink();
+    throw;
+  }
+}
+
+Comm::~Comm() {
+  for (auto& per_peer : channels_)
+    for (auto& ch : per_peer)
+      if (ch) ch->close();
+  if (store_server_) store_server_->stop();
+}
+
+void Comm::bootstrap(const WorldSpec& spec) {
+  const double timeout = config_.timeout_s;
+  if (spec.store_port <= 0)
+    throw Error("a world of " + std::to_string(size_) + " ranks needs a rendezvous store port "
+                "(SMDDP_STORE_PORT or MASTER_PORT)");
+  if (rank_ == 0) store_server_ = std::make_unique<StoreServer>(spec.store_port, secret_);
+  store_ = std::make_unique<StoreClient>(spec.store_addr, spec.store_port, secret_, timeout);
+
+  // 1. Publish how to reach this rank; learn everyone else's.
+  Socket listener = Socket::listen_on(0);
+  std::ostringstream me;
+  me << spec.host << "\n" << store_->local_ip() << "\n" << listener.local_port() << "\n" << ::getpid() << "\n";
+  store_->set("rank/" + std::to_string(rank_), me.str());
+  std::vector<std::string> hosts(size_), addrs(size_);
+  std::vector<int> ports(size_);
+  for (int r = 0; r < size_; ++r) {
+    auto f = split_lines(store_->get("rank/" + std::to_string(r), timeout));
+    if (f.size() < 4) throw Error("malformed rendezvous record of rank " + std::to_string(r));
+    hosts[r] = f[0];
+    addrs[r] = f[1];
+    ports[r] = std::stoi(f[2]);
+  }
+
+  // 2. Group ranks into hosts by host key, hosts ordered by their lowest rank.
+  std::map<std::string, int> host_id;
+  rank_host_.resize(size_);
+  for (int r = 0; r < size_; ++r) {
+    auto it = host_id.find(hosts[r]);
+    if (it == host_id.end()) {
+      it = host_id.emplace(hosts[r], int(host_ranks_.size())).first;
+      host_ranks_.emplace_back();
+    }
+    rank_host_[r] = it->second;
+    host_ranks_[it->second].push_back(r);
+  }
+  host_index_ = rank_host_[rank_];
+  const auto& mine = host_ranks_[host_index_];
+  local_size_ = int(mine.size());
+  local_rank_ = int(std::find(mine.begin(), mine.end(), rank_) - mine.begin());
+  if ((spec.local_rank >= 0 && spec.local_rank != local_rank_) ||
+      (spec.local_size >= 0 && spec.local_size != local_size_)) {
+    throw Error("inconsistent launch environment: the launcher says local rank " + std::to_string(spec.local_rank) +
+                " of " + std::to_string(spec.local_size) + ", but ranks sharing host '" + spec.host +
+                "' make this local rank " + std::to_string(local_rank_) + " of " + std::to_string(local_size_) +
+                " (check LOCAL_RANK/LOCAL_WORLD_SIZE or SMDDP_HOST)");
+  }
+
+  // 3. The host's shared memory segment: the leader creates it, everyone maps it, the
+  //    leader unlinks it once all have, so a crash leaves nothing in /dev/shm.
+  std::string hkey = "host/" + std::to_string(host_index_);
+  if (local_size_ > 1) {
+    if (local_rank_ == 0) {
+      std::string name = "/smddp-" + hex_hash(secret_ + spec.store_addr + std::to_string(spec.store_port) + spec.host) +
+                         "-" + std::to_string(::getpid());
+      segment_ = std::make_unique<HostSegment>(name, 0, local_size_, rank_, config_.shm_slot_bytes,
+                                               config_.shm_ring_bytes, true);
+      store_->set(hkey + "/shm", name);
+      for (int lr = 1; lr < local_size_; ++lr) store_->get(hkey + "/attached/" + std::to_string(lr), timeout);
+      segment_->unlink();
+    } else {
+      std::string name = store_->get(hkey + "/shm", timeout);
+      segment_ = std::make_unique<HostSegment>(name, local_rank_, local_size_, rank_, config_.shm_slot_bytes,
+                                               config_.shm_ring_bytes, false);
+      store_->set(hkey + "/attached/" + std::to_string(local_rank_), "1");
+    }
+    for (int lr = 0; lr < local_size_; ++lr) {
+      if (lr == local_rank_) continue;
+      int peer = mine[lr];
+      for (int k = 0; k < kNumChannelKinds; ++k)
+        channels_[peer][k] = std::make_unique<ShmChannel>(peer, segment_->ring(local_rank_, lr, k),
+                                                          segment_->ring(lr, local_rank_, k));
+    }
+  }
+
+  // 4. TCP mesh between ranks on different hosts.
+  if (host_ranks_.size() > 1) {
+    // Lower rank connects; each connection first presents the secret, its rank and kind.
+    for (int peer = rank_ + 1; peer < size_; ++peer) {
+      if (rank_host_[peer] == host_index_) continue;
+      for (int k = 0; k < kNumChannelKinds; ++k) {
+        Socket s = Socket::connect_to(addrs[peer], ports[peer], timeout);
+        Writer w;
+        w.put_string(secret_);
+        w.put<int32_t>(rank_);
+        w.put<int32_t>(k);
+        send_frame(s, w.str(), timeout, "TCP handshake with rank " + std::to_string(peer));
+        s.set_nonblocking(true);
+        channels_[peer][k] = std::make_unique<TcpChannel>(peer, std::move(s));
+      }
+    }
+    int expected = 0;
+    for (int peer = 0; peer < rank_; ++peer)
+      if (rank_host_[peer] != host_index_) expected += kNumChannelKinds;
+    auto start = Clock::now();
+    while (expected > 0) {
+      if (seconds_since(start) > timeout)
+        throw PeerError("timed out waiting for TCP connections from ranks on other hosts");
+      std::string desc;
+      Socket s = listener.accept_within(0.1, &desc);
+      if (!s.valid()) continue;
+      try {
+        Reader r(recv_frame(s, timeout, "TCP handshake from " + desc));
+        std::string secret = r.get_string();
+        int peer = r.get<int32_t>();
+        int k = r.get<int32_t>();
+        if (!secrets_equal(secret, secret_)) {
+          SMDDP_LOG(0, "refused a connection from " + desc + ": it presented a wrong or missing secret (SMDDP_SECRET)");
+          continue;
+        }
+        if (peer < 0 || peer >= rank_ || k < 0 || k >= kNumChannelKinds || channels_[peer][k])
+          throw Error("unexpected handshake");
+        s.set_nonblocking(true);
+        channels_[peer][k] = std::make_unique<TcpChannel>(peer, std::move(s));
+        --expected;
+      } catch (const Error& e) {
+        SMDDP_LOG(1, "dropped a bad connection from " + desc + ": " + e.what());
+      }
+    }
+  }
+
+  // 5. Everyone is wired: a store barrier so no rank starts before its peers are ready.
+  store_->set("ready/" + std::to_string(rank_), "1");
+  for (int r = 0; r < size_; ++r) store_->get("ready/" + std::to_string(r), timeout);
+}
+
+Channel* Comm::channel(int peer, ChannelKind kind) {
+  Channel* ch = channels_.at(peer).at(kind).get();
+  if (!ch) throw Error("no channel from rank " + std::to_string(rank_) + " to rank " + std::to_string(peer));
+  return ch;
+}
+
+void Comm::check_alive(const std::string& what) {
+  if (segment_) segment_->check_alive(what.c_str());
+}
+
+void Comm::run(std::vector<Transfer>& transfers, const std::string& what) {
+  Backoff backoff(config_.spin_us);
+  auto last_progress = Clock::now();
+  size_t remaining = 0;
+  for (auto& t : transfers) remaining += t.done < t.n ? 1 : 0;
+  while (remaining > 0) {
+    bool progressed = false;
+    for (auto& t : transfers) {
+      if (t.done >= t.n) continue;
+      size_t moved = t.is_send ? t.channel->try_send(t.ptr + t.done, t.n - t.done)
+                               : t.channel->try_recv(t.ptr + t.done, t.n - t.done);
+      if (moved) {
+        progressed = true;
+        t.done += moved;
+        if (t.done == t.n) --remaining;
+      }
+    }
+    if (progressed) {
+      last_progress = Clock::now();
+      continue;
+    }
+    if (backoff.pause()) {
+      check_alive(what);
+      if (seconds_since(last_progress) > config_.timeout_s) {
+        std::string waiting;
+        for (auto& t : transfers)
+          if (t.done < t.n) waiting += (waiting.empty() ? "" : ", ") + std::to_string(t.channel->peer());
+        throw PeerError(what + ": no data from/to rank(s) " + waiting + " for " +
+                        std::to_string(int(config_.timeout_s)) + " s (SMDDP_TIMEOUT); the peer is stuck or dead");
+      }
+    }
+  }
+}
+
+void Comm::send_message(int peer, ChannelKind kind, const std::string& payload, const std::string& what) {
+  uint64_t len = payload.size();
+  std::vector<Transfer> t = {{channel(peer, kind), true, reinterpret_cast<char*>(&len), sizeof(len)},
+                             {channel(peer, kind), true, const_cast<char*>(payload.data()), payload.size()}};
+  // The header must precede the body: run them in order.
+  std::vector<Transfer> head = {t[0]}, body = {t[1]};
+  run(head, what);
+  run(body, what);
+}
+
+void Comm::host_barrier(const std::string& what) {
+  if (!segment_) return;
+  auto start = Clock::now();
+  segment_->barrier(config_.spin_us, [&] {
+    check_alive(what);
+    if (seconds_since(start) > config_.timeout_s)
+      throw PeerError(what + ": a rank on this host did not arrive within " +
+                      std::to_string(int(config_.timeout_s)) + " s (SMDDP_TIMEOUT)");
+  });
+}
+
+void Comm::abort(const std::string& message) {
+  if (aborted_) return;
+  aborted_ = true;
+  if (segment_) segment_->raise_abort(message);
+  for (auto& per_peer : channels_)
+    for (auto& ch : per_peer)
+      if (ch) ch->close();
+}
+
+}  // namespace smddp

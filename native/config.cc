@@ -1,0 +1,115 @@
+#include "config.h"
+
+#include <cstdlib>
+
+#include "common.h"
+
+namespace smddp {
+
+const std::vector<ConfigVar>& config_table() {
+  static const std::vector<ConfigVar> table = {
+      {"SMDDP_TIMEOUT", "60",
+       "seconds a collective may wait for its peers (or a peer stay silent) before every rank "
+       "fails with an error naming the missing or dead ranks"},
+      {"SMDDP_FUSION_THRESHOLD", "26214400",
+       "bytes: allreduces of one dtype and op that are ready together are fused into buckets "
+       "up to this size (the original's 25 MB bucket)"},
+      {"SMDDP_CACHE_CAPACITY", "1024",
+       "entries in the response cache; a cached tensor is negotiated by a 4-byte id instead "
+       "of its full description"},
+      {"SMDDP_SHM_SLOT_BYTES", "4194304",
+       "bytes of each rank's shared-memory staging slot used by the intra-host allreduce and "
+       "broadcast (two slots per rank are allocated)"},
+      {"SMDDP_SHM_RING_BYTES", "1048576",
+       "bytes of each direction of an intra-host point-to-point shared-memory channel"},
+      {"SMDDP_HIER_THRESHOLD", "1048576",
+       "bytes: with ranks on several hosts, allreduces at or above this size use the "
+       "hierarchical algorithm (shared memory inside a host, TCP ring between host leaders), "
+       "smaller ones a flat ring"},
+      {"SMDDP_ALGORITHM", "auto", "allreduce algorithm across hosts: auto, ring or hierarchical"},
+      {"SMDDP_SPIN_US", "2000",
+       "microseconds the engine busy-polls for work before it sleeps; lower saves CPU, higher "
+       "saves latency"},
+      {"SMDDP_TIMELINE", "",
+       "path prefix: each rank writes PREFIX.rank<N>.json, a Chrome trace of negotiation, "
+       "queueing, copies and transfers per tensor (open in Perfetto or chrome://tracing)"},
+      {"SMDDP_LOG_LEVEL", "1", "0 errors, 1 warnings, 2 info, 3 debug"},
+      {"SMDDP_STALL_WARNING", "30",
+       "seconds after which a tensor some ranks submitted and others did not is logged with "
+       "the missing ranks"},
+      {"SMDDP_HOST", "",
+       "overrides the host name used to group ranks into hosts (tests simulate several hosts "
+       "on one machine with it)"},
+      {"SMDDP_SECRET", "",
+       "shared secret every connection presents; smddprun generates one per job. Without it "
+       "a secret derived from the job's identifiers is used and a warning printed"},
+      {"SMDDP_STORE_ADDR", "",
+       "address of the rendezvous store (served by rank 0); defaults to MASTER_ADDR, then "
+       "127.0.0.1"},
+      {"SMDDP_STORE_PORT", "",
+       "port of the rendezvous store; defaults to MASTER_PORT+1 (MASTER_PORT is torch's), "
+       "then a port derived from the job id"},
+  };
+  return table;
+}
+
+static const ConfigVar& find_var(const std::string& name) {
+  for (const auto& v : config_table()) {
+    if (name == v.name) return v;
+  }
+  throw Error("unknown configuration variable " + name);
+}
+
+std::string config_string(const std::string& name) {
+  const ConfigVar& var = find_var(name);
+  const char* env = std::getenv(name.c_str());
+  return env && *env ? std::string(env) : std::string(var.default_value);
+}
+
+int64_t config_int(const std::string& name) {
+  std::string s = config_string(name);
+  try {
+    size_t used = 0;
+    int64_t v = std::stoll(s, &used);
+    if (used != s.size()) throw std::invalid_argument(s);
+    return v;
+  } catch (const std::exception&) {
+    throw Error(name + "='" + s + "' is not an integer");
+  }
+}
+
+double config_double(const std::string& name) {
+  std::string s = config_string(name);
+  try {
+    size_t used = 0;
+    double v = std::stod(s, &used);
+    if (used != s.size()) throw std::invalid_argument(s);
+    return v;
+  } catch (const std::exception&) {
+    throw Error(name + "='" + s + "' is not a number");
+  }
+}
+
+EngineConfig EngineConfig::from_environment() {
+  EngineConfig c;
+  c.timeout_s = config_double("SMDDP_TIMEOUT");
+  c.fusion_bytes = config_int("SMDDP_FUSION_THRESHOLD");
+  c.cache_capacity = config_int("SMDDP_CACHE_CAPACITY");
+  c.shm_slot_bytes = config_int("SMDDP_SHM_SLOT_BYTES");
+  c.shm_ring_bytes = config_int("SMDDP_SHM_RING_BYTES");
+  c.hier_threshold = config_int("SMDDP_HIER_THRESHOLD");
+  c.algorithm = config_string("SMDDP_ALGORITHM");
+  c.spin_us = config_int("SMDDP_SPIN_US");
+  c.timeline_path = config_string("SMDDP_TIMELINE");
+  c.log_level = int(config_int("SMDDP_LOG_LEVEL"));
+  c.stall_warning_s = config_double("SMDDP_STALL_WARNING");
+  if (c.timeout_s <= 0) throw Error("SMDDP_TIMEOUT must be positive");
+  if (c.shm_slot_bytes < 4096 || c.shm_slot_bytes % 64)
+    throw Error("SMDDP_SHM_SLOT_BYTES must be a multiple of 64 and at least 4096");
+  if (c.shm_ring_bytes < 4096) throw Error("SMDDP_SHM_RING_BYTES must be at least 4096");
+  if (c.algorithm != "auto" && c.algorithm != "ring" && c.algorithm != "hierarchical")
+    throw Error("SMDDP_ALGORITHM must be auto, ring or hierarchical, not '" + c.algorithm + "'");
+  return c;
+}
+
+}  // namespace smddp

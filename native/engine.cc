@@ -1,0 +1,270 @@
+// Engine lifecycle, the caller-facing queue and handles, and the background loop.
+#include "engine.h"
+
+#include <sched.h>
+
+#include <cstring>
+
+#include "reduce.h"
+
+namespace smddp {
+
+Engine::Engine(const WorldSpec& spec) : config_(EngineConfig::from_environment()) {
+  set_log_identity(spec.rank, config_.log_level);
+  comm_ = std::make_unique<Comm>(spec, config_);
+  rank_ = comm_->rank();
+  size_ = comm_->size();
+  local_rank_ = comm_->local_rank();
+  local_size_ = comm_->local_size();
+  num_hosts_ = comm_->num_hosts();
+  host_index_ = comm_->host_index();
+  timeline_.open(config_.timeline_path, comm_->rank());
+  rank_gone_.assign(comm_->size(), false);
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() {
+  try {
+    shutdown();
+  } catch (...) {
+  }
+}
+
+uint64_t Engine::submit(const std::string& name, const Signature& sig, const void* in, void* out, size_t count,
+                        size_t out_capacity, const std::vector<int64_t>& per_rank) {
+  if (name.empty()) throw Error("a collective needs a non-empty name");
+  if (int(sig.dtype) >= int(DType::kCount)) throw Error("unsupported dtype code " + std::to_string(int(sig.dtype)));
+  if (sig.op == OpType::kAllreduce || sig.op == OpType::kReduce || sig.op == OpType::kReduceScatter)
+    check_reduce_supported(sig.dtype, sig.reduce_op);
+  if ((sig.op == OpType::kBroadcast || sig.op == OpType::kReduce) && (sig.root < 0 || sig.root >= size()))
+    throw Error(std::string(op_type_name(sig.op)) + " '" + name + "': root " + std::to_string(sig.root) +
+                " is not a rank of this world of " + std::to_string(size()));
+  auto e = std::make_shared<Entry>();
+  e->name = name;
+  e->sig = sig;
+  e->in = static_cast<const char*>(in);
+  e->out = static_cast<char*>(out);
+  e->count = count;
+  e->out_capacity = out_capacity;
+  e->per_rank = per_rank;
+  e->submit_us = now_us();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!abort_message_.empty()) throw Error(abort_message_);
+  if (shut_down_) throw Error("the smddp engine was shut down");
+  for (const auto& kv : handles_) {
+    const auto& other = kv.second;
+    if (!other->done && !other->is_p2p && other->name == name)
+      throw Error("tensor '" + name + "' was submitted again before its previous " +
+                  op_type_name(other->sig.op) + " completed; names must be unique among operations in flight");
+  }
+  e->handle = next_handle_++;
+  handles_[e->handle] = e;
+  incoming_.push_back(e);
+  counters_.submitted++;
+  work_cv_.notify_one();
+  return e->handle;
+}
+
+uint64_t Engine::submit_p2p(bool is_send, int peer, int64_t tag, void* buf, size_t bytes) {
+  if (peer < 0 || peer >= size() || peer == rank())
+    throw Error(std::string(is_send ? "send" : "recv") + ": peer " + std::to_string(peer) +
+                " is not another rank of this world of " + std::to_string(size()));
+  auto e = std::make_shared<Entry>();
+  e->is_p2p = true;
+  e->is_send = is_send;
+  e->peer = peer;
+  e->tag = tag;
+  e->name = std::string(is_send ? "send to " : "recv from ") + std::to_string(peer);
+  e->in = static_cast<const char*>(buf);
+  e->out = static_cast<char*>(buf);
+  e->count = bytes;
+  e->submit_us = now_us();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!abort_message_.empty()) throw Error(abort_message_);
+  if (shut_down_) throw Error("the smddp engine was shut down");
+  e->handle = next_handle_++;
+  handles_[e->handle] = e;
+  incoming_.push_back(e);
+  counters_.submitted++;
+  work_cv_.notify_one();
+  return e->handle;
+}
+
+void Engine::complete(const std::shared_ptr<Entry>& e, const std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (e->done) return;
+    e->error = error;
+    e->done = true;
+  }
+  (error.empty() ? counters_.completed : counters_.failed)++;
+  done_cv_.notify_all();
+}
+
+void Engine::wait(uint64_t handle, double timeout_s, bool keep) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) throw Error("unknown or already released handle " + std::to_string(handle));
+  auto e = it->second;
+  // A short spin first: back-to-back small collectives finish within microseconds and a
+  // condition-variable sleep would double their latency.
+  auto spin_until = Clock::now() + std::chrono::microseconds(config_.spin_us < 200 ? config_.spin_us : 200);
+  while (!e->done && Clock::now() < spin_until) {
+    lock.unlock();
+    sched_yield();
+    lock.lock();
+  }
+  auto pred = [&] { return e->done; };
+  if (timeout_s < 0) {
+    done_cv_.wait(lock, pred);
+  } else if (!done_cv_.wait_for(lock, std::chrono::microseconds(int64_t(timeout_s * 1e6)), pred)) {
+    throw Error("wait on '" + e->name + "' timed out after " + std::to_string(timeout_s) + " s");
+  }
+  std::string error = e->error;
+  if (!keep || !error.empty()) handles_.erase(handle);
+  if (!error.empty()) throw Error(error);
+}
+
+bool Engine::poll(uint64_t handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) throw Error("unknown or already released handle " + std::to_string(handle));
+  return it->second->done;
+}
+
+std::vector<int64_t> Engine::result_counts(uint64_t handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end() || !it->second->done) throw Error("result_counts: operation not complete");
+  return it->second->result_counts;
+}
+
+size_t Engine::owned_output_bytes(uint64_t handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end() || !it->second->done) throw Error("output: operation not complete");
+  return it->second->owned_output.size();
+}
+
+void Engine::copy_owned_output(uint64_t handle, void* dst) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end() || !it->second->done) throw Error("output: operation not complete");
+  const auto& v = it->second->owned_output;
+  if (!v.empty()) std::memcpy(dst, v.data(), v.size());
+}
+
+void Engine::release(uint64_t handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  handles_.erase(handle);
+}
+
+std::string Engine::abort_message() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return abort_message_;
+}
+
+void Engine::fail_everything(const std::string& message, bool abort_peers) {
+  std::vector<std::shared_ptr<Entry>> victims;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (abort_message_.empty()) abort_message_ = message;
+    for (auto& kv : handles_)
+      if (!kv.second->done) victims.push_back(kv.second);
+    incoming_.clear();
+  }
+  if (abort_peers) comm_->abort(message);
+  for (auto& e : victims) complete(e, message);
+  pending_.clear();
+  p2p_sends_.clear();
+  p2p_recvs_.clear();
+}
+
+void Engine::loop() {
+  auto idle_since = Clock::now();
+  while (!stop_) {
+    bool busy = false;
+    try {
+      busy = step();
+    } catch (const std::exception& ex) {
+      std::string msg = std::string("smddp rank ") + std::to_string(rank()) + ": " + ex.what();
+      SMDDP_LOG(0, msg);
+      fail_everything(msg, true);
+      // Stay alive so later submissions fail fast with the same message.
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_cv_.wait(lock, [&] { return stop_.load(); });
+      break;
+    }
+    if (busy) {
+      idle_since = Clock::now();
+      continue;
+    }
+    int64_t idle_us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - idle_since).count();
+    if (idle_us < config_.spin_us) {
+      sched_yield();
+    } else {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_cv_.wait_for(lock, std::chrono::microseconds(idle_us < 50000 ? 100 : 1000),
+                        [&] { return !incoming_.empty() || stop_.load(); });
+    }
+  }
+  // Orderly goodbye so peers report "shut down" instead of waiting for a timeout.
+  if (abort_message().empty() && size() > 1) {
+    try {
+      std::string bye(1, char(MessageType::kGoodbye));
+      if (rank() == 0) {
+        for (int r = 1; r < size(); ++r) comm_->send_message(r, kControlChannel, bye, "shutdown");
+      } else {
+        comm_->send_message(0, kControlChannel, bye, "shutdown");
+      }
+    } catch (const std::exception&) {
+      // The peer is already gone: nothing to tell.
+    }
+  }
+}
+
+bool Engine::step() {
+  bool busy = announce_new_entries();
+  if (rank() == 0) {
+    busy |= poll_coordinator_messages();
+    std::vector<Response> responses = build_responses();
+    if (!responses.empty()) {
+      busy = true;
+      std::string msg = encode_responses(responses);
+      for (int r = 1; r < size(); ++r) {
+        if (rank_gone_[r]) continue;
+        comm_->send_message(r, kControlChannel, msg, "sending negotiation responses");
+      }
+      counters_.negotiation_round_trips++;
+      for (const auto& resp : responses) execute(resp);
+    }
+  } else {
+    busy |= poll_responses();
+  }
+  busy |= progress_p2p();
+  if (!busy && (!pending_.empty() || !p2p_sends_.empty() || !p2p_recvs_.empty())) {
+    static thread_local int64_t last_check = 0;
+    int64_t now = now_us();
+    if (now - last_check > 10000) {
+      last_check = now;
+      comm_->check_alive("waiting for peers");
+    }
+  }
+  return busy;
+}
+
+void Engine::shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (shut_down_) return;
+    shut_down_ = true;
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  fail_everything("the smddp engine was shut down", false);
+  timeline_.close();
+  comm_.reset();  // closes channels and the store; the world's shape stays readable
+}
+
+}  // namespace smddp

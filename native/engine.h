@@ -1,0 +1,170 @@
+// The engine: one background thread per process. Frontends enqueue named operations and
+// get a handle; the thread agrees with the other ranks (through the coordinator, rank 0) on
+// what is ready, fuses ready allreduces into buckets, runs the collectives and completes the
+// handles. Waiting is on a condition variable, never a busy loop in the caller.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "comm.h"
+#include "messages.h"
+#include "timeline.h"
+
+namespace smddp {
+
+struct Counters {
+  std::atomic<uint64_t> submitted{0};
+  std::atomic<uint64_t> completed{0};
+  std::atomic<uint64_t> failed{0};
+  std::atomic<uint64_t> responses{0};          // collective responses executed
+  std::atomic<uint64_t> fused_responses{0};    // of which carried more than one tensor
+  std::atomic<uint64_t> fused_tensors{0};      // tensors that travelled in a fused response
+  std::atomic<uint64_t> allreduce_bytes{0};
+  std::atomic<uint64_t> negotiation_round_trips{0};  // announcement batches answered
+  std::atomic<uint64_t> negotiation_bytes{0};        // bytes this rank sent for negotiation
+  std::atomic<uint64_t> cache_hits{0};               // announced by cache id
+  std::atomic<uint64_t> cache_misses{0};             // announced in full
+  std::atomic<uint64_t> p2p_messages{0};
+};
+
+// One queued operation, owned by the engine until the caller waits on it.
+struct Entry {
+  uint64_t handle = 0;
+  std::string name;
+  Signature sig;
+  std::vector<int64_t> per_rank;  // this rank's ragged information (see Announcement)
+  const char* in = nullptr;
+  char* out = nullptr;
+  size_t count = 0;               // elements of `in`
+  size_t out_capacity = 0;        // bytes available at `out`
+  // Engine-owned output for results whose size only negotiation tells (ragged allgather, alltoall).
+  std::vector<char> owned_output;
+  std::vector<int64_t> result_counts;  // rows received from each rank (allgather/alltoall)
+  int64_t submit_us = 0;
+  // Point-to-point fields.
+  bool is_p2p = false, is_send = false;
+  int peer = -1;
+  int64_t tag = 0;
+  size_t p2p_done = 0;
+  int64_t p2p_header[2] = {0, 0};
+  size_t p2p_header_done = 0;
+  bool p2p_discarding = false;
+  // Completion.
+  bool done = false;
+  std::string error;
+};
+
+class Engine {
+ public:
+  Engine(const WorldSpec& spec);
+  ~Engine();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int local_rank() const { return local_rank_; }
+  int local_size() const { return local_size_; }
+  int num_hosts() const { return num_hosts_; }
+  int host_index() const { return host_index_; }
+  const EngineConfig& config() const { return config_; }
+
+  // Queues a collective. `out` may be null for allgather/alltoall: the engine allocates.
+  // `out_capacity` is the size of `out` in bytes, checked against what negotiation decides.
+  uint64_t submit(const std::string& name, const Signature& sig, const void* in, void* out, size_t count,
+                  size_t out_capacity, const std::vector<int64_t>& per_rank);
+  uint64_t submit_p2p(bool is_send, int peer, int64_t tag, void* buf, size_t bytes);
+
+  // Blocks until done; throws Error with the failure's message. Releases the entry unless it
+  // succeeded and `keep` asks to read its results first (then call release()).
+  void wait(uint64_t handle, double timeout_s, bool keep = false);
+  // True once done (successfully or not); never blocks.
+  bool poll(uint64_t handle);
+  // After completion: rows received per rank, and the engine-owned output (if any).
+  std::vector<int64_t> result_counts(uint64_t handle);
+  size_t owned_output_bytes(uint64_t handle);
+  void copy_owned_output(uint64_t handle, void* dst);
+  void release(uint64_t handle);
+
+  const Counters& counters() const { return counters_; }
+  std::string abort_message();
+  int store_refused_connections() const { return comm_ ? comm_->store_refused_connections() : 0; }
+  void shutdown();
+
+ private:
+  void loop();
+  bool step();  // one pass of the background loop; true if anything happened
+  // Fails every queued operation; with abort_peers, also tells the other ranks to fail.
+  void fail_everything(const std::string& message, bool abort_peers);
+  void complete(const std::shared_ptr<Entry>& e, const std::string& error);
+
+  // Negotiation (engine_negotiation.cc).
+  bool announce_new_entries();
+  bool poll_coordinator_messages();   // rank 0: announcements from every rank
+  bool poll_responses();              // other ranks: responses from rank 0
+  void tally(int rank, const std::vector<Announcement>& list);
+  std::vector<Response> build_responses();
+  std::vector<Response> check_stalls();  // errors for tensors stuck on missing ranks
+  std::string describe_mismatch(const std::string& name);
+
+  // Execution (engine_execute.cc).
+  void execute(const Response& r);
+  void execute_allreduce(const Response& r, std::vector<std::shared_ptr<Entry>>& entries);
+  void execute_single(const Response& r, const std::shared_ptr<Entry>& e);
+
+  // Point-to-point (engine_p2p.cc).
+  bool progress_p2p();
+
+  EngineConfig config_;
+  int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, num_hosts_ = 1, host_index_ = 0;
+  std::unique_ptr<Comm> comm_;
+  Timeline timeline_;
+  Counters counters_;
+
+  std::mutex mutex_;
+  std::condition_variable work_cv_;   // wakes the background thread
+  std::condition_variable done_cv_;   // wakes waiting callers
+  std::deque<std::shared_ptr<Entry>> incoming_;
+  std::unordered_map<uint64_t, std::shared_ptr<Entry>> handles_;
+  std::string abort_message_;
+  uint64_t next_handle_ = 1;
+  std::atomic<bool> stop_{false};
+  bool shut_down_ = false;
+  std::thread thread_;
+
+  // Background-thread state (no lock needed).
+  std::unordered_map<std::string, std::shared_ptr<Entry>> pending_;  // announced, not yet run
+  std::vector<Announcement> outgoing_;
+  struct CacheEntry {
+    std::string name;
+    Signature sig;
+  };
+  std::unordered_map<std::string, uint32_t> cache_by_name_;
+  std::vector<CacheEntry> cache_;  // index = id
+  std::vector<char> fusion_buffer_;
+  std::map<int, std::deque<std::shared_ptr<Entry>>> p2p_sends_, p2p_recvs_;
+  int64_t last_p2p_progress_us_ = 0;
+
+  // Coordinator state (rank 0).
+  struct Tally {
+    std::vector<bool> seen;
+    std::vector<Signature> sigs;
+    std::vector<std::vector<int64_t>> per_rank;
+    int count = 0;
+    int64_t first_us = 0;
+    bool stall_warned = false;
+  };
+  std::unordered_map<std::string, Tally> tallies_;
+  std::vector<std::string> ready_;   // names every rank has announced, in readiness order
+  std::vector<bool> rank_gone_;      // ranks that said goodbye
+  int64_t last_stall_check_us_ = 0;
+};
+
+}  // namespace smddp

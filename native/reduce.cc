@@ -1,0 +1,180 @@
+#include "reduce.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace smddp {
+
+namespace {
+
+// Storage types for the two 16-bit floats.
+#if defined(__FLT16_MAX__)
+using half_t = _Float16;
+inline float half_to_float(half_t h) { return float(h); }
+inline half_t float_to_half(float f) { return half_t(f); }
+#else
+#error "the native core needs a compiler with _Float16 (GCC >= 12 or Clang >= 15)"
+#endif
+
+struct bf16_t {
+  uint16_t bits;
+};
+inline float bf16_to_float(bf16_t b) {
+  uint32_t u = uint32_t(b.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline bf16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{uint16_t((u >> 16) | 0x40)};  // keep NaN quiet
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  return bf16_t{uint16_t(u >> 16)};
+}
+
+// Accumulation type and conversions per storage type.
+template <typename T> struct Traits {
+  using acc = T;
+  static acc load(T v) { return v; }
+  static T store(acc v) { return v; }
+};
+template <> struct Traits<half_t> {
+  using acc = float;
+  static acc load(half_t v) { return half_to_float(v); }
+  static half_t store(acc v) { return float_to_half(v); }
+};
+template <> struct Traits<bf16_t> {
+  using acc = float;
+  static acc load(bf16_t v) { return bf16_to_float(v); }
+  static bf16_t store(acc v) { return float_to_bf16(v); }
+};
+
+// Integer sums and products wrap like numpy's instead of being undefined behaviour.
+template <typename A> inline A add(A a, A b) {
+  if constexpr (std::is_integral_v<A> && !std::is_same_v<A, bool>) {
+    using U = std::make_unsigned_t<A>;
+    return A(U(a) + U(b));
+  } else if constexpr (std::is_same_v<A, bool>) {
+    return a || b;
+  } else {
+    return a + b;
+  }
+}
+template <typename A> inline A mul(A a, A b) {
+  if constexpr (std::is_integral_v<A> && !std::is_same_v<A, bool>) {
+    using U = std::make_unsigned_t<A>;
+    return A(U(a) * U(b));
+  } else if constexpr (std::is_same_v<A, bool>) {
+    return a && b;
+  } else {
+    return a * b;
+  }
+}
+
+constexpr size_t kBlock = 1024;
+
+template <typename T, ReduceOp OP>
+void reduce_many_t(T* dst, const void* const* srcs, int k, size_t count, int divisor) {
+  using Tr = Traits<T>;
+  using A = typename Tr::acc;
+  A acc[kBlock];
+  for (size_t base = 0; base < count; base += kBlock) {
+    size_t n = std::min(kBlock, count - base);
+    const T* __restrict s0 = static_cast<const T*>(srcs[0]) + base;
+    for (size_t i = 0; i < n; ++i) acc[i] = Tr::load(s0[i]);
+    for (int j = 1; j < k; ++j) {
+      const T* __restrict s = static_cast<const T*>(srcs[j]) + base;
+      for (size_t i = 0; i < n; ++i) {
+        A v = Tr::load(s[i]);
+        if constexpr (OP == ReduceOp::kSum || OP == ReduceOp::kAverage) acc[i] = add(acc[i], v);
+        else if constexpr (OP == ReduceOp::kProduct) acc[i] = mul(acc[i], v);
+        else if constexpr (OP == ReduceOp::kMin) acc[i] = v < acc[i] ? v : acc[i];
+        else acc[i] = v > acc[i] ? v : acc[i];
+      }
+    }
+    if constexpr (OP == ReduceOp::kAverage) {
+      if constexpr (std::is_floating_point_v<A>) {
+        A inv = A(1) / A(divisor);
+        for (size_t i = 0; i < n; ++i) acc[i] = acc[i] * inv;
+      } else {
+        for (size_t i = 0; i < n; ++i) acc[i] = A(acc[i] / A(divisor));
+      }
+    }
+    T* __restrict d = dst + base;
+    for (size_t i = 0; i < n; ++i) d[i] = Tr::store(acc[i]);
+  }
+}
+
+template <typename T>
+void dispatch_op(void* dst, const void* const* srcs, int k, size_t count, ReduceOp op, int divisor) {
+  T* d = static_cast<T*>(dst);
+  switch (op) {
+    case ReduceOp::kSum: return reduce_many_t<T, ReduceOp::kSum>(d, srcs, k, count, divisor);
+    case ReduceOp::kAverage: return reduce_many_t<T, ReduceOp::kAverage>(d, srcs, k, count, divisor);
+    case ReduceOp::kMin: return reduce_many_t<T, ReduceOp::kMin>(d, srcs, k, count, divisor);
+    case ReduceOp::kMax: return reduce_many_t<T, ReduceOp::kMax>(d, srcs, k, count, divisor);
+    case ReduceOp::kProduct: return reduce_many_t<T, ReduceOp::kProduct>(d, srcs, k, count, divisor);
+    default: throw Error("unknown reduce op");
+  }
+}
+
+template <typename Fn>
+void by_dtype(DType t, Fn&& fn) {
+  switch (t) {
+    case DType::kFloat16: return fn(half_t{});
+    case DType::kBFloat16: return fn(bf16_t{});
+    case DType::kFloat32: return fn(float{});
+    case DType::kFloat64: return fn(double{});
+    case DType::kInt8: return fn(int8_t{});
+    case DType::kUInt8: return fn(uint8_t{});
+    case DType::kInt32: return fn(int32_t{});
+    case DType::kInt64: return fn(int64_t{});
+    case DType::kBool: return fn(bool{});
+    default: throw Error("unknown dtype");
+  }
+}
+
+}  // namespace
+
+void check_reduce_supported(DType dtype, ReduceOp op) {
+  if (int(op) >= int(ReduceOp::kCount)) throw Error("unknown reduce op code " + std::to_string(int(op)));
+  if (int(dtype) >= int(DType::kCount)) throw Error("unknown dtype code " + std::to_string(int(dtype)));
+  if (dtype == DType::kBool && op == ReduceOp::kAverage)
+    throw Error("reduce op AVERAGE is not defined for bool tensors (use MIN for logical and, MAX for or)");
+}
+
+void reduce_many(void* dst, const void* const* srcs, int k, size_t count, DType dtype, ReduceOp op,
+                 int divisor) {
+  check_reduce_supported(dtype, op);
+  by_dtype(dtype, [&](auto tag) { dispatch_op<decltype(tag)>(dst, srcs, k, count, op, divisor); });
+}
+
+void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op) {
+  const void* srcs[2] = {dst, src};
+  reduce_many(dst, srcs, 2, count, dtype, op == ReduceOp::kAverage ? ReduceOp::kSum : op, 1);
+}
+
+void scale_average(void* dst, size_t count, DType dtype, int divisor) {
+  const void* srcs[1] = {dst};
+  reduce_many(dst, srcs, 1, count, dtype, ReduceOp::kAverage, divisor);
+}
+
+void scale_by(void* dst, size_t count, DType dtype, double factor) {
+  if (factor == 1.0) return;
+  by_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using Tr = Traits<T>;
+    if constexpr (std::is_same_v<T, bool>) {
+      throw Error("scaling is not defined for bool tensors");
+    } else {
+      T* d = static_cast<T*>(dst);
+      for (size_t i = 0; i < count; ++i)
+        d[i] = Tr::store(typename Tr::acc(double(Tr::load(d[i])) * factor));
+    }
+  });
+}
+
+}  // namespace smddp

@@ -1,0 +1,51 @@
+// Rendezvous key-value store: rank 0 serves it over TCP, every rank (rank 0 included) is a
+// client. Ranks publish their addresses through it and wait for each other's. Every
+// connection must first present the job's shared secret; a wrong or missing one is refused
+// and logged.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "socket.h"
+
+namespace smddp {
+
+class StoreServer {
+ public:
+  StoreServer(int port, std::string secret);
+  ~StoreServer();
+  int port() const { return port_; }
+  int refused_connections() const { return refused_.load(); }
+  void stop();
+
+ private:
+  void serve();
+  Socket listener_;
+  int port_;
+  std::string secret_;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int> refused_{0};
+  std::map<std::string, std::string> data_;
+  std::thread thread_;
+};
+
+class StoreClient {
+ public:
+  StoreClient(const std::string& host, int port, const std::string& secret, double timeout_s);
+  void set(const std::string& key, const std::string& value);
+  // Blocks until the key exists; throws PeerError naming the key after timeout_s.
+  std::string get(const std::string& key, double timeout_s);
+  std::string local_ip() const { return sock_.local_ip(); }
+
+ private:
+  std::string request(const std::string& payload);
+  Socket sock_;
+  double timeout_s_;
+  std::mutex mutex_;
+};
+
+}  // namespace smddp

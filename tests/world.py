@@ -1,0 +1,85 @@
+"""Starts a world of real rank processes for a test and collects each rank's outcome.
+
+Ranks are started directly (not through smddprun) so a test can see every rank's exit
+status and output even when one of them dies on purpose. Each run has a hard timeout
+that only guards against hangs; no test asserts how fast anything is.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+WORKERS = Path(__file__).parent / "workers"
+HANG_GUARD_S = 180
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(
+    nranks: int,
+    worker: str,
+    args: Sequence[str] = (),
+    env: Optional[Dict[str, str]] = None,
+    per_rank_env: Optional[Dict[int, Dict[str, str]]] = None,
+    hosts: int = 1,
+    timeout: float = HANG_GUARD_S,
+) -> List[RankResult]:
+    """Runs tests/workers/<worker> as `nranks` ranks split over `hosts` simulated hosts."""
+    port = free_port()
+    secret = uuid.uuid4().hex
+    per_host = (nranks + hosts - 1) // hosts
+    procs = []
+    for rank in range(nranks):
+        host = rank // per_host
+        local_size = min(per_host, nranks - host * per_host)
+        e = dict(os.environ)
+        e.update(
+            SMDDP_RANK=str(rank), SMDDP_SIZE=str(nranks), SMDDP_LOCAL_RANK=str(rank - host * per_host),
+            SMDDP_LOCAL_SIZE=str(local_size), SMDDP_STORE_ADDR="127.0.0.1", SMDDP_STORE_PORT=str(port),
+            SMDDP_SECRET=secret, SMDDP_HOST=f"simhost{host}" if hosts > 1 else "", PYTHONUNBUFFERED="1",
+        )
+        e.setdefault("SMDDP_TIMEOUT", "20")
+        if not e["SMDDP_HOST"]:
+            del e["SMDDP_HOST"]
+        e.update(env or {})
+        e.update((per_rank_env or {}).get(rank, {}))
+        procs.append(subprocess.Popen([sys.executable, str(WORKERS / worker), *args], env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout)
+            results.append(RankResult(rank, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def assert_all_ok(results: List[RankResult]) -> None:
+    bad = [r for r in results if r.returncode != 0]
+    assert not bad, "\n".join(f"--- rank {r.rank} exited {r.returncode}\n{r.output}" for r in bad)

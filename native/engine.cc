@@ -164,7 +164,7 @@ std::string Engine::abort_message() {
   return abort_message_;
 }
 
-void Engine::fail_everything(const std::string& message, bool abort_peers) {
+void Engine::fail_everything(const std::string& message, const std::string& abort_cause) {
   std::vector<std::shared_ptr<Entry>> victims;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -173,7 +173,7 @@ void Engine::fail_everything(const std::string& message, bool abort_peers) {
       if (!kv.second->done) victims.push_back(kv.second);
     incoming_.clear();
   }
-  if (abort_peers) comm_->abort(message);
+  if (!abort_cause.empty()) comm_->abort(abort_cause);
   for (auto& e : victims) complete(e, message);
   pending_.clear();
   p2p_sends_.clear();
@@ -187,9 +187,7 @@ void Engine::loop() {
     try {
       busy = step();
     } catch (const std::exception& ex) {
-      std::string msg = std::string("smddp rank ") + std::to_string(rank()) + ": " + ex.what();
-      SMDDP_LOG(0, msg);
-      fail_everything(msg, true);
+      abort_job(ex);
       // Stay alive so later submissions fail fast with the same message.
       std::unique_lock<std::mutex> lock(mutex_);
       work_cv_.wait(lock, [&] { return stop_.load(); });
@@ -247,7 +245,7 @@ bool Engine::step() {
     int64_t now = now_us();
     if (now - last_check > 10000) {
       last_check = now;
-      comm_->check_alive("waiting for peers");
+      comm_->check_alive("a collective");
     }
   }
   return busy;
@@ -262,7 +260,7 @@ void Engine::shutdown() {
   }
   work_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
-  fail_everything("the smddp engine was shut down", false);
+  fail_everything("the smddp engine was shut down", "");
   timeline_.close();
   comm_.reset();  // closes channels and the store; the world's shape stays readable
 }

@@ -101,8 +101,9 @@ class Engine {
  private:
   void loop();
   bool step();  // one pass of the background loop; true if anything happened
-  // Fails every queued operation; with abort_peers, also tells the other ranks to fail.
-  void fail_everything(const std::string& message, bool abort_peers);
+  // Fails every queued operation with `message`; a non-empty `abort_cause` also makes the
+  // other ranks fail with it.
+  void fail_everything(const std::string& message, const std::string& abort_cause);
   void complete(const std::shared_ptr<Entry>& e, const std::string& error);
 
   // Negotiation (engine_negotiation.cc).
@@ -118,6 +119,11 @@ class Engine {
   void execute(const Response& r);
   void execute_allreduce(const Response& r, std::vector<std::shared_ptr<Entry>>& entries);
   void execute_single(const Response& r, const std::shared_ptr<Entry>& e);
+
+  // Failure propagation (engine_abort.cc).
+  void abort_job(const std::exception& ex);
+  std::string wait_for_root_cause(double seconds);
+  void broadcast_abort(const std::string& cause);
 
   // Point-to-point (engine_p2p.cc).
   bool progress_p2p();

@@ -77,6 +77,7 @@ bool Engine::poll_coordinator_messages() {
         rank_gone_[r] = true;
         break;
       }
+      if (type == MessageType::kAbort) throw PeerError(reader.get_string());
       if (type != MessageType::kAnnounce) throw Error("unexpected negotiation message from rank " + std::to_string(r));
       tally(r, decode_announcements(reader));
     }
@@ -93,9 +94,10 @@ bool Engine::poll_responses() {
     Reader reader(std::move(msg));
     auto type = MessageType(reader.get<uint8_t>());
     if (type == MessageType::kGoodbye) {
-      fail_everything("rank 0 has shut down; no further collectives are possible", false);
+      fail_everything("rank 0 has shut down; no further collectives are possible", "");
       return true;
     }
+    if (type == MessageType::kAbort) throw PeerError(reader.get_string());
     if (type != MessageType::kRespond) throw Error("unexpected negotiation message from rank 0");
     counters_.negotiation_round_trips++;
     for (const auto& resp : decode_responses(reader)) execute(resp);

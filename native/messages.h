@@ -42,7 +42,7 @@ struct Announcement {
   static constexpr uint32_t kNoCacheId = 0xffffffffu;
 };
 
-enum class MessageType : uint8_t { kAnnounce = 1, kRespond = 2, kGoodbye = 3 };
+enum class MessageType : uint8_t { kAnnounce = 1, kRespond = 2, kGoodbye = 3, kAbort = 4 };
 
 struct ResponseEntry {
   std::string name;

@@ -1,0 +1,68 @@
+"""Ranks that disagree, or misuse the API; every rank must raise a clear error, none hang.
+
+Usage: errors.py CASE. Prints "RAISED: <message>" for each expected error and "DONE" when
+the engine is still usable afterwards.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+
+from smdistributed.common import engine
+
+
+def expect_error(fn):
+    try:
+        fn()
+    except engine.SmddpError as e:
+        print("RAISED: " + str(e), flush=True)
+        return
+    raise AssertionError("expected an error")
+
+
+def main(case):
+    core = engine.init()
+    P, me = core.size, core.rank
+    if case == "shape":
+        expect_error(lambda: core.allreduce(np.zeros(4 + me, np.float32), name="w.shape"))
+    elif case == "dtype":
+        expect_error(lambda: core.allreduce(np.zeros(4, np.float32 if me == 0 else np.float64), name="w.dtype"))
+    elif case == "op":
+        expect_error(lambda: core.allreduce(np.zeros(4, np.float32), op="sum" if me == 0 else "max", name="w.op"))
+    elif case == "root":
+        expect_error(lambda: core.broadcast(np.zeros(4, np.float32), root=me % 2, name="w.root"))
+    elif case == "duplicate":
+        w = core.allreduce(np.ones(4, np.float32), name="dup", async_op=True)
+        if me == 0:
+            expect_error(lambda: core.allreduce(np.ones(4, np.float32), name="dup"))
+        w.wait()
+        print("RAISED: (rank %d submitted once)" % me if me else "", flush=True)
+    elif case == "missing":
+        # The last rank never submits "lonely": the others fail after SMDDP_TIMEOUT, naming it.
+        # It waits (outside the engine) until they have failed, then everyone goes on.
+        sync = os.environ["SYNC_DIR"]
+        if me != P - 1:
+            expect_error(lambda: core.allreduce(np.ones(4, np.float32), name="lonely"))
+            open(os.path.join(sync, f"failed.{me}"), "w").close()
+        else:
+            while not all(os.path.exists(os.path.join(sync, f"failed.{r}")) for r in range(P - 1)):
+                time.sleep(0.02)
+            print("RAISED: (the missing rank)", flush=True)
+    elif case == "bad_root":
+        try:
+            core.broadcast(np.zeros(2, np.float32), root=P + 3)
+        except engine.SmddpError as e:
+            print("RAISED: " + str(e), flush=True)
+    else:
+        raise SystemExit("unknown case " + case)
+    # After a per-tensor error the engine keeps working.
+    x = np.full(3, float(me), np.float32)
+    core.allreduce(x, name="after")
+    assert np.allclose(x, sum(range(P))), x
+    print("DONE", flush=True)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,43 @@
+"""50 named tensors submitted in a different shuffled order on each rank, for several steps.
+
+Checks results against numpy and prints the engine counters as JSON so the test can see
+fusion (several tensors per response) and the response cache (later steps announce by id).
+"""
+import json
+import sys
+
+import numpy as np
+
+from smdistributed.common import engine
+
+N_TENSORS = 50
+STEPS = 3
+
+
+def main():
+    core = engine.init()
+    P, me = core.size, core.rank
+    rng = np.random.default_rng(1234 + me)  # each rank its own order
+    sizes = [(i * 37) % 500 + 1 for i in range(N_TENSORS)]
+    per_step = []
+    for step in range(STEPS):
+        order = rng.permutation(N_TENSORS)
+        before = core.counters()
+        arrays = {}
+        works = []
+        for i in order:
+            arrays[i] = np.full(sizes[i], float(me + i + step), dtype=np.float32)
+            works.append(core.allreduce(arrays[i], name=f"grad.{i}", async_op=True))
+        for w in works:
+            w.wait()
+        for i in range(N_TENSORS):
+            want = sum(r + i + step for r in range(P))
+            assert np.all(arrays[i] == want), (i, arrays[i][:3], want)
+        after = core.counters()
+        per_step.append({k: after[k] - before[k] for k in after})
+    print("COUNTERS " + json.dumps(per_step), flush=True)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -151,7 +151,7 @@ IMPLS = {"smddp": SmddpImpl, "gloo": GlooImpl, "mpi": MpiImpl}
 def warmup_iters(nbytes: int) -> int:
     """Fixed per size (so every rank agrees without talking): more for cheap sizes."""
     if nbytes >= 16 << 20:
-        return 2
+        return 3
     if nbytes >= 1 << 20:
         return 10
     return 50
@@ -234,7 +234,7 @@ def parse_args(argv=None):
     p.add_argument("--impl", required=True, help="comma-separated: " + ",".join(IMPLS))
     p.add_argument("--sizes", required=True, help="comma-separated buffer sizes in bytes (multiples of 32)")
     p.add_argument("--seconds", type=float, default=0.5, help="timed work per implementation and size")
-    p.add_argument("--min-iters", type=int, default=3)
+    p.add_argument("--min-iters", type=int, default=5)
     p.add_argument("--max-iters", type=int, default=20000)
     p.add_argument("--out", help="JSON file rank 0 writes (default: print it)")
     return p.parse_args(argv)

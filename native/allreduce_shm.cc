@@ -25,6 +25,8 @@ void allreduce_shm(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op
     if (op == ReduceOp::kAverage && divisor != 1) scale_average(buf, count, dtype, divisor);
     return;
   }
+  if (comm.cma_enabled() && int64_t(count * dtype_size(dtype)) >= comm.config().cma_threshold)
+    return allreduce_cma(comm, buf, count, dtype, op, divisor);
   HostSegment* seg = comm.host_segment();
   const int me = comm.local_rank();
   const size_t es = dtype_size(dtype);

@@ -19,6 +19,9 @@ void allreduce(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op,
 // AVERAGE divides by `divisor`.
 void allreduce_shm(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op, int divisor);
 
+// Intra-host allreduce reading peers' buffers directly (cross-memory attach must be enabled).
+void allreduce_cma(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op, int divisor);
+
 // Ring allreduce among `ranks` (which must contain this rank) over data channels.
 // AVERAGE sums along the ring and divides by `divisor` at the end.
 void allreduce_ring(Comm& comm, const std::vector<int>& ranks, void* buf, size_t count, DType dtype,

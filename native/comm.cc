@@ -5,6 +5,7 @@
 #include <sstream>
 #include <unistd.h>
 
+#include "cma.h"
 #include "wait.h"
 #include "wire.h"
 
@@ -184,6 +185,15 @@ void Comm::bootstrap(const WorldSpec& spec) {
   // 5. Everyone is wired: a store barrier so no rank starts before its peers are ready.
   store_->set("ready/" + std::to_string(rank_), "1");
   for (int r = 0; r < size_; ++r) store_->get("ready/" + std::to_string(r), timeout);
+
+  // 6. Can local ranks read each other's memory? (All local ranks probe together.)
+  if (segment_ && config_.cma != "0") {
+    cma_enabled_ = probe_cma(*this);
+    if (!cma_enabled_ && config_.cma == "1")
+      throw Error("SMDDP_CMA=1 but process_vm_readv between local ranks is not permitted here "
+                  "(Yama ptrace_scope or a seccomp profile forbids it); use SMDDP_CMA=auto or 0");
+    SMDDP_LOG(2, std::string("cross-memory attach ") + (cma_enabled_ ? "enabled" : "unavailable"));
+  }
 }
 
 Channel* Comm::channel(int peer, ChannelKind kind) {

@@ -65,6 +65,14 @@ class Comm {
   // Marks the job aborted for the local peers and closes remote connections so every rank
   // learns of the failure quickly.
   void abort(const std::string& message);
+  // Whether local ranks can read each other's memory (cross-memory attach).
+  bool cma_enabled() const { return cma_enabled_; }
+  int local_pid(int local_rank) const { return segment_->control()->pids[local_rank]; }
+  // Scratch memory owned by the communicator (grown on demand, reused across calls).
+  char* scratch(size_t bytes) {
+    if (scratch_.size() < bytes) scratch_.resize(bytes);
+    return scratch_.data();
+  }
   // Counter shared by all local ranks' staging-slot rounds (they run in lockstep).
   uint64_t next_slot_round() { return slot_round_++; }
 
@@ -85,6 +93,8 @@ class Comm {
   // channels_[peer][kind]
   std::vector<std::vector<std::unique_ptr<Channel>>> channels_;
   uint64_t slot_round_ = 0;
+  bool cma_enabled_ = false;
+  std::vector<char> scratch_;
   bool aborted_ = false;
 };
 

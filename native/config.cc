@@ -26,6 +26,12 @@ const std::vector<ConfigVar>& config_table() {
        "bytes: with ranks on several hosts, allreduces at or above this size use the "
        "hierarchical algorithm (shared memory inside a host, TCP ring between host leaders), "
        "smaller ones a flat ring"},
+      {"SMDDP_CMA", "auto",
+       "intra-host allreduce reads peers' buffers directly with cross-memory attach "
+       "(process_vm_readv): auto (when the kernel allows it), 1 (required), 0 (off: stage "
+       "through shared memory)"},
+      {"SMDDP_CMA_THRESHOLD", "262144",
+       "bytes: intra-host allreduces at or above this size use cross-memory attach when enabled"},
       {"SMDDP_ALGORITHM", "auto", "allreduce algorithm across hosts: auto, ring or hierarchical"},
       {"SMDDP_SPIN_US", "2000",
        "microseconds the engine busy-polls for work before it sleeps; lower saves CPU, higher "
@@ -100,6 +106,10 @@ EngineConfig EngineConfig::from_environment() {
   c.hier_threshold = config_int("SMDDP_HIER_THRESHOLD");
   c.algorithm = config_string("SMDDP_ALGORITHM");
   c.spin_us = config_int("SMDDP_SPIN_US");
+  c.cma = config_string("SMDDP_CMA");
+  c.cma_threshold = config_int("SMDDP_CMA_THRESHOLD");
+  if (c.cma != "auto" && c.cma != "0" && c.cma != "1")
+    throw Error("SMDDP_CMA must be auto, 0 or 1, not '" + c.cma + "'");
   c.timeline_path = config_string("SMDDP_TIMELINE");
   c.log_level = int(config_int("SMDDP_LOG_LEVEL"));
   c.stall_warning_s = config_double("SMDDP_STALL_WARNING");

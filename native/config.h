@@ -31,6 +31,8 @@ struct EngineConfig {
   int64_t shm_ring_bytes;      // per-direction ring of an intra-host point-to-point channel
   int64_t hier_threshold;      // multi-host allreduce at or above this size goes hierarchical
   std::string algorithm;       // auto | ring | hierarchical
+  std::string cma;             // auto | 0 | 1: cross-memory attach inside a host
+  int64_t cma_threshold;       // intra-host allreduce at or above this size uses it
   int64_t spin_us;             // busy-poll this long before sleeping when idle
   std::string timeline_path;   // chrome-trace file prefix, empty = off
   int log_level;

@@ -31,6 +31,11 @@ struct HostControl {
   alignas(64) std::atomic<uint32_t> barrier_generation;
   alignas(64) int32_t pids[256];
   int32_t global_ranks[256];
+  // Cross-memory attach: each rank's buffer address for the current collective, and
+  // whether reading every local peer's memory worked at start-up.
+  alignas(64) uint64_t buffer_address[256];
+  uint64_t probe_address[256];
+  int32_t cma_ok[256];
 };
 
 // Single-producer single-consumer byte ring.

@@ -7,9 +7,12 @@ from world import assert_all_ok, run_world
 SMALL_BUFFERS = {"SMDDP_FUSION_THRESHOLD": "65536", "SMDDP_SHM_SLOT_BYTES": "65536", "SMDDP_SHM_RING_BYTES": "65536"}
 
 
+@pytest.mark.parametrize("cma", ["0", "auto"])
 @pytest.mark.parametrize("nranks", [2, 3])
-def test_one_host(nranks):
-    results = run_world(nranks, "collectives_matrix.py", env=SMALL_BUFFERS)
+def test_one_host(nranks, cma):
+    """Staged through shared-memory slots (CMA off) and by cross-memory attach (auto)."""
+    env = dict(SMALL_BUFFERS, SMDDP_CMA=cma, SMDDP_CMA_THRESHOLD="4096")
+    results = run_world(nranks, "collectives_matrix.py", env=env)
     assert_all_ok(results)
     assert all("all collectives ok, hosts=1" in r.stdout for r in results)
 

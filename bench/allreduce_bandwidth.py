@@ -67,7 +67,10 @@ def parse_args(argv=None):
                         "results in a temporary folder unless --out is given")
     p.add_argument("--impls", default=",".join(ALL_IMPLS), help="comma-separated subset of smddp,gloo,mpi")
     p.add_argument("--np", type=int, default=2, help="ranks per job (default 2)")
-    p.add_argument("--seconds", type=float, help="timed work per implementation and size (default 0.5, quick 0.1)")
+    p.add_argument("--seconds", type=float,
+                   help="timed work per implementation and size, split over the rounds (default 0.6, quick 0.1)")
+    p.add_argument("--rounds", type=int,
+                   help="interleaved rounds per size, the least disturbed one is kept (default 3, quick 1)")
     p.add_argument("--out", help="output path prefix, .json and .png are added "
                                  "(default bench/results/allreduce_cpu_<np>proc)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -84,7 +87,11 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"unknown implementation(s) {unknown}; choose from {','.join(ALL_IMPLS)}")
     if args.seconds is None:
-        args.seconds = 0.1 if args.quick else 0.5
+        args.seconds = 0.1 if args.quick else 0.6
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.out is None:
         base = Path(tempfile.gettempdir()) / "smddp_bench" if args.quick else HERE / "results"
         suffix = "_quick" if args.quick else ""
@@ -161,7 +168,7 @@ def _smddprun() -> list[str]:
 def _worker_args(impls: list[str], args, out: Path) -> list[str]:
     return [sys.executable, str(WORKER), "--impl", ",".join(impls),
             "--sizes", ",".join(str(s) for s in args.size_list),
-            "--seconds", str(args.seconds), "--out", str(out)]
+            "--seconds", str(args.seconds), "--rounds", str(args.rounds), "--out", str(out)]
 
 
 def _run_job(cmd: list[str], env=None) -> tuple[int, str]:
@@ -275,7 +282,8 @@ def table(doc: dict) -> str:
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.append("us: median latency per allreduce (slowest rank per iteration); GB/s: size / median latency;")
+    lines.append("us: median latency per allreduce (slowest rank per iteration; best of the rounds' medians);")
+    lines.append("GB/s: size / median latency (algorithm bandwidth);")
     lines.append("ours vs X: X's median latency / ours = our bandwidth / X's ('x faster'); ! = wrong result")
     va = doc.get("vector_add")
     if va:
@@ -334,6 +342,7 @@ def main(argv=None) -> int:
         "np": args.np,
         "impls": [i for i in ALL_IMPLS if any(r["impl"] == i for r in results)],
         "seconds_per_size": args.seconds,
+        "rounds": args.rounds,
         "machine": machine_info(),
         "library_versions": versions,
         "vector_add": vector_add,

@@ -12,11 +12,12 @@ Implementations:
 
 For each size the ranks allocate one buffer and every implementation works on it in
 turn, so all of them see the same memory. Per implementation and size: one correctness
-check (rank r contributes (r+1) * pattern, the sum must be exact), a fixed warmup, then
-an iteration count agreed across ranks from the warmup's speed (about --seconds of
-work, at least --min-iters). Every iteration is timed on each rank; the time of an
-iteration is the slowest rank's, and the median over iterations is reported. Rank 0
-writes the results as JSON.
+check (rank r contributes (r+1) * pattern, the sum must be exact), then --rounds
+rounds, the implementations taking turns: each a fixed warmup, then an iteration count
+agreed across ranks from the warmup's speed (--seconds / --rounds of work, at least
+--min-iters). Every iteration is timed on each rank; the time of an iteration is the
+slowest rank's; a round's result is the median over its iterations, and the round with
+the lowest median is reported. Rank 0 writes the results as JSON.
 """
 from __future__ import annotations
 
@@ -140,7 +141,8 @@ class MpiImpl:
     def version(self) -> str:
         import mpi4py
 
-        return f"mpi4py {mpi4py.__version__}; {self.MPI.Get_library_version().strip().splitlines()[0]}"
+        library = self.MPI.Get_library_version().strip("\x00 \n").splitlines()[0]
+        return f"mpi4py {mpi4py.__version__}; {library}"
 
 
 IMPLS = {"smddp": SmddpImpl, "gloo": GlooImpl, "mpi": MpiImpl}
@@ -174,21 +176,24 @@ def check_sum(buf: np.ndarray, size: int) -> tuple[bool, str]:
     return False, f"{bad.size} of {got.shape[0]} rows wrong; row {row}: got {got[row].tolist()}, want {want.tolist()}"
 
 
-def measure(impl, buf: np.ndarray, seconds: float, min_iters: int, max_iters: int) -> dict:
-    nbytes = buf.nbytes
+def check(impl, buf: np.ndarray) -> tuple[bool, str]:
+    """One allreduce of rank-dependent values; True on every rank only if all got the exact sum."""
     impl.prepare(buf)
-
-    # Correctness, once per size.
     fill_contribution(buf, impl.rank)
     impl.barrier()
     impl.allreduce()
     ok, detail = check_sum(buf, impl.size)
     ok_all = bool(impl.agree_max(np.array([0.0 if ok else 1.0]))[0] == 0.0)
-
     # Zeros for the timed runs: the sum stays zero (no overflow to inf over many
     # iterations, no denormals), and the data movement is the same as for any values.
     buf.fill(0)
+    return ok_all, detail
 
+
+def timed_round(impl, buf: np.ndarray, seconds: float, min_iters: int, max_iters: int) -> dict:
+    """Warmup, then about `seconds` of allreduces; per-iteration times of the slowest rank."""
+    nbytes = buf.nbytes
+    impl.prepare(buf)
     nwarm = warmup_iters(nbytes)
     impl.barrier()
     warm = []
@@ -211,22 +216,47 @@ def measure(impl, buf: np.ndarray, seconds: float, min_iters: int, max_iters: in
     # An iteration lasts as long as its slowest rank saw it last.
     slowest = impl.agree_max(times)
     wall = float(impl.agree_max(np.array([wall]))[0])
-
     median = float(np.median(slowest))
     return {
-        "impl": impl.name,
-        "bytes": nbytes,
-        "count": int(buf.size),
         "iters": iters,
         "warmup": nwarm,
         "median_us": median * 1e6,
         "min_us": float(slowest.min()) * 1e6,
         "p90_us": float(np.percentile(slowest, 90)) * 1e6,
         "mean_us": wall / iters * 1e6,
-        "algbw_GBps": nbytes / median / 1e9,
-        "correct": ok_all,
-        "error": detail if not ok else "",
     }
+
+
+def measure_size(impls, nbytes: int, args) -> list[dict]:
+    """All implementations on one shared buffer: checks, then `rounds` rounds of them in turn.
+
+    Interleaving the rounds exposes every implementation to the same moments of the
+    machine; the round with the lowest median is kept (the least disturbed one), and
+    every round's median is recorded.
+    """
+    buf = np.empty(nbytes // 4, dtype=np.float32)
+    buf.fill(0)  # touch every page before anything is timed
+    checks = {impl.name: check(impl, buf) for impl in impls}
+    rounds = {impl.name: [] for impl in impls}
+    per_round = args.seconds / args.rounds
+    for _ in range(args.rounds):
+        for impl in impls:
+            rounds[impl.name].append(timed_round(impl, buf, per_round, args.min_iters, args.max_iters))
+    out = []
+    for impl in impls:
+        best = min(rounds[impl.name], key=lambda r: r["median_us"])
+        ok, detail = checks[impl.name]
+        out.append({
+            "impl": impl.name,
+            "bytes": nbytes,
+            "count": nbytes // 4,
+            **best,
+            "algbw_GBps": nbytes / (best["median_us"] * 1e-6) / 1e9,
+            "round_medians_us": [r["median_us"] for r in rounds[impl.name]],
+            "correct": ok,
+            "error": detail,
+        })
+    return out
 
 
 def parse_args(argv=None):
@@ -234,7 +264,8 @@ def parse_args(argv=None):
     p.add_argument("--impl", required=True, help="comma-separated: " + ",".join(IMPLS))
     p.add_argument("--sizes", required=True, help="comma-separated buffer sizes in bytes (multiples of 32)")
     p.add_argument("--seconds", type=float, default=0.5, help="timed work per implementation and size")
-    p.add_argument("--min-iters", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per size; the best is kept")
+    p.add_argument("--min-iters", type=int, default=3, help="per round")
     p.add_argument("--max-iters", type=int, default=20000)
     p.add_argument("--out", help="JSON file rank 0 writes (default: print it)")
     return p.parse_args(argv)
@@ -262,18 +293,15 @@ def main(argv=None) -> int:
 
     results = []
     for nbytes in sizes:
-        buf = np.empty(nbytes // 4, dtype=np.float32)
-        buf.fill(0)  # touch every page before anything is timed
-        for impl in impls:
-            r = measure(impl, buf, args.seconds, args.min_iters, args.max_iters)
+        for r in measure_size(impls, nbytes, args):
             results.append(r)
             if rank == 0:
                 flag = "" if r["correct"] else "  WRONG RESULT"
-                print(f"{impl.name:>6} {nbytes:>11} B  {r['median_us']:12.1f} us  {r['algbw_GBps']:8.3f} GB/s"
-                      f"  ({r['iters']} iters){flag}", flush=True)
-            if not r["correct"] and r["error"]:
-                print(f"{impl.name} rank {rank}: {r['error']}", file=sys.stderr, flush=True)
-        del buf
+                rounds = "/".join(f"{m:.1f}" for m in r["round_medians_us"])
+                print(f"{r['impl']:>6} {nbytes:>11} B  {r['median_us']:12.1f} us  {r['algbw_GBps']:8.3f} GB/s"
+                      f"  ({r['iters']} iters; round medians {rounds} us){flag}", flush=True)
+            if r["error"]:
+                print(f"{r['impl']} rank {rank}: {r['error']}", file=sys.stderr, flush=True)
 
     doc = {
         "world_size": size,

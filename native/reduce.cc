@@ -74,37 +74,61 @@ template <typename A> inline A mul(A a, A b) {
   }
 }
 
+template <ReduceOp OP, typename A>
+inline A combine(A a, A b) {
+  if constexpr (OP == ReduceOp::kSum || OP == ReduceOp::kAverage) return add(a, b);
+  else if constexpr (OP == ReduceOp::kProduct) return mul(a, b);
+  else if constexpr (OP == ReduceOp::kMin) return b < a ? b : a;
+  else return b > a ? b : a;
+}
+
+template <typename A>
+inline A divide(A v, int divisor) {
+  if constexpr (std::is_floating_point_v<A>) return v * (A(1) / A(divisor));
+  else return A(v / A(divisor));
+}
+
+// Element-wise d[i] = a[i] (op) b[i]: the streaming kernel every large allreduce spends its
+// time in. d may alias a or b (same index only), which the compiler's vectoriser allows.
+template <typename T, ReduceOp OP>
+void combine_pair(T* d, const T* a, const T* b, size_t n) {
+  for (size_t i = 0; i < n; ++i) d[i] = combine<OP>(a[i], b[i]);
+}
+
 constexpr size_t kBlock = 1024;
 
 template <typename T, ReduceOp OP>
 void reduce_many_t(T* dst, const void* const* srcs, int k, size_t count, int divisor) {
   using Tr = Traits<T>;
   using A = typename Tr::acc;
-  A acc[kBlock];
-  for (size_t base = 0; base < count; base += kBlock) {
-    size_t n = std::min(kBlock, count - base);
-    const T* __restrict s0 = static_cast<const T*>(srcs[0]) + base;
-    for (size_t i = 0; i < n; ++i) acc[i] = Tr::load(s0[i]);
-    for (int j = 1; j < k; ++j) {
-      const T* __restrict s = static_cast<const T*>(srcs[j]) + base;
-      for (size_t i = 0; i < n; ++i) {
-        A v = Tr::load(s[i]);
-        if constexpr (OP == ReduceOp::kSum || OP == ReduceOp::kAverage) acc[i] = add(acc[i], v);
-        else if constexpr (OP == ReduceOp::kProduct) acc[i] = mul(acc[i], v);
-        else if constexpr (OP == ReduceOp::kMin) acc[i] = v < acc[i] ? v : acc[i];
-        else acc[i] = v > acc[i] ? v : acc[i];
-      }
+  if constexpr (std::is_same_v<A, T>) {
+    // Same-precision types: pairwise passes (the sources are cache-sized blocks in practice).
+    const T* s0 = static_cast<const T*>(srcs[0]);
+    if (k == 1) {
+      if (dst != s0) std::memmove(dst, s0, count * sizeof(T));
+    } else {
+      combine_pair<T, OP>(dst, s0, static_cast<const T*>(srcs[1]), count);
+      for (int j = 2; j < k; ++j) combine_pair<T, OP>(dst, dst, static_cast<const T*>(srcs[j]), count);
     }
-    if constexpr (OP == ReduceOp::kAverage) {
-      if constexpr (std::is_floating_point_v<A>) {
-        A inv = A(1) / A(divisor);
-        for (size_t i = 0; i < n; ++i) acc[i] = acc[i] * inv;
-      } else {
-        for (size_t i = 0; i < n; ++i) acc[i] = A(acc[i] / A(divisor));
+    if constexpr (OP == ReduceOp::kAverage)
+      for (size_t i = 0; i < count; ++i) dst[i] = divide(dst[i], divisor);
+    return;
+  } else {
+    // 16-bit floats accumulate in float32 over all sources and round once.
+    A acc[kBlock];
+    for (size_t base = 0; base < count; base += kBlock) {
+      size_t n = std::min(kBlock, count - base);
+      const T* s0 = static_cast<const T*>(srcs[0]) + base;
+      for (size_t i = 0; i < n; ++i) acc[i] = Tr::load(s0[i]);
+      for (int j = 1; j < k; ++j) {
+        const T* s = static_cast<const T*>(srcs[j]) + base;
+        for (size_t i = 0; i < n; ++i) acc[i] = combine<OP>(acc[i], Tr::load(s[i]));
       }
+      if constexpr (OP == ReduceOp::kAverage)
+        for (size_t i = 0; i < n; ++i) acc[i] = divide(acc[i], divisor);
+      T* d = dst + base;
+      for (size_t i = 0; i < n; ++i) d[i] = Tr::store(acc[i]);
     }
-    T* __restrict d = dst + base;
-    for (size_t i = 0; i < n; ++i) d[i] = Tr::store(acc[i]);
   }
 }
 

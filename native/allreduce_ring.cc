@@ -66,8 +66,10 @@ void allreduce(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op, co
     allreduce_shm(comm, buf, count, dtype, op, comm.size());
   } else {
     const std::string& choice = comm.config().algorithm;
+    // Measured (bench/allreduce_algorithms.py): the hierarchical algorithm's fewer TCP hops
+    // win while latency dominates; the flat ring's parallel links win once bandwidth does.
     bool hier = choice == "hierarchical" ||
-                (choice == "auto" && int64_t(count * dtype_size(dtype)) >= comm.config().hier_threshold);
+                (choice == "auto" && int64_t(count * dtype_size(dtype)) < comm.config().ring_threshold);
     if (hier) {
       algo = "hierarchical";
       allreduce_hierarchical(comm, buf, count, dtype, op);

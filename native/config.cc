@@ -22,10 +22,11 @@ const std::vector<ConfigVar>& config_table() {
        "broadcast (two slots per rank are allocated)"},
       {"SMDDP_SHM_RING_BYTES", "1048576",
        "bytes of each direction of an intra-host point-to-point shared-memory channel"},
-      {"SMDDP_HIER_THRESHOLD", "1048576",
-       "bytes: with ranks on several hosts, allreduces at or above this size use the "
-       "hierarchical algorithm (shared memory inside a host, TCP ring between host leaders), "
-       "smaller ones a flat ring"},
+      {"SMDDP_RING_THRESHOLD", "524288",
+       "bytes: with ranks on several hosts, allreduces at or above this size use a flat ring "
+       "over all ranks, smaller ones the hierarchical algorithm (shared memory inside a host, "
+       "TCP ring between host leaders). The default is measured with bench/allreduce_algorithms.py "
+       "on simulated hosts over loopback; rerun it on a real network to tune"},
       {"SMDDP_CMA", "auto",
        "intra-host allreduce reads peers' buffers directly with cross-memory attach "
        "(process_vm_readv): auto (when the kernel allows it), 1 (required), 0 (off: stage "
@@ -103,7 +104,7 @@ EngineConfig EngineConfig::from_environment() {
   c.cache_capacity = config_int("SMDDP_CACHE_CAPACITY");
   c.shm_slot_bytes = config_int("SMDDP_SHM_SLOT_BYTES");
   c.shm_ring_bytes = config_int("SMDDP_SHM_RING_BYTES");
-  c.hier_threshold = config_int("SMDDP_HIER_THRESHOLD");
+  c.ring_threshold = config_int("SMDDP_RING_THRESHOLD");
   c.algorithm = config_string("SMDDP_ALGORITHM");
   c.spin_us = config_int("SMDDP_SPIN_US");
   c.cma = config_string("SMDDP_CMA");

@@ -29,7 +29,7 @@ struct EngineConfig {
   int64_t cache_capacity;      // response-cache entries
   int64_t shm_slot_bytes;      // per-rank staging slot of the intra-host allreduce
   int64_t shm_ring_bytes;      // per-direction ring of an intra-host point-to-point channel
-  int64_t hier_threshold;      // multi-host allreduce at or above this size goes hierarchical
+  int64_t ring_threshold;      // multi-host allreduce at or above this size uses the flat ring
   std::string algorithm;       // auto | ring | hierarchical
   std::string cma;             // auto | 0 | 1: cross-memory attach inside a host
   int64_t cma_threshold;       // intra-host allreduce at or above this size uses it

@@ -236,7 +236,7 @@ bool Engine::step() {
       counters_.negotiation_round_trips++;
       for (const auto& resp : responses) execute(resp);
     }
-  } else {
+  } else if (!rank_gone_[0]) {
     busy |= poll_responses();
   }
   busy |= progress_p2p();

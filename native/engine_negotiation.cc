@@ -94,6 +94,8 @@ bool Engine::poll_responses() {
     Reader reader(std::move(msg));
     auto type = MessageType(reader.get<uint8_t>());
     if (type == MessageType::kGoodbye) {
+      // Rank 0 closes its connections next: stop reading them, it is not a failure.
+      rank_gone_[0] = true;
       fail_everything("rank 0 has shut down; no further collectives are possible", "");
       return true;
     }

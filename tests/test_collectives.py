@@ -20,7 +20,7 @@ def test_one_host(nranks, cma):
 @pytest.mark.parametrize("algorithm", ["auto", "ring", "hierarchical"])
 def test_two_simulated_hosts(algorithm):
     """2 hosts x 2 ranks: shared memory inside a host, TCP between them."""
-    env = dict(SMALL_BUFFERS, SMDDP_ALGORITHM=algorithm, SMDDP_HIER_THRESHOLD="4096")
+    env = dict(SMALL_BUFFERS, SMDDP_ALGORITHM=algorithm, SMDDP_RING_THRESHOLD="4096")
     results = run_world(4, "collectives_matrix.py", env=env, hosts=2)
     assert_all_ok(results)
     assert all("all collectives ok, hosts=2" in r.stdout for r in results)
@@ -28,5 +28,5 @@ def test_two_simulated_hosts(algorithm):
 
 def test_three_hosts_uneven():
     """3 ranks on 2 hosts (2 + 1): a host with a single rank, an odd ring."""
-    results = run_world(3, "collectives_matrix.py", env=dict(SMALL_BUFFERS, SMDDP_HIER_THRESHOLD="4096"), hosts=2)
+    results = run_world(3, "collectives_matrix.py", env=dict(SMALL_BUFFERS, SMDDP_RING_THRESHOLD="4096"), hosts=2)
     assert_all_ok(results)

@@ -123,12 +123,17 @@ class Work:
 class Core:
     """One engine per process. Collective methods take numpy arrays."""
 
-    def __init__(self, world: Optional[WorldInfo] = None):
+    def __init__(self, world: Optional[WorldInfo] = None, rendezvous=None, advertise_addr: str = "",
+                 stall_timeout: float = -1.0):
+        """`rendezvous`: an object with set(key, bytes) and get(key) -> bytes (a torch Store)
+        to bootstrap through instead of our own store; `stall_timeout`: seconds a tensor may
+        wait for ranks that have not submitted it (default SMDDP_TIMEOUT)."""
         self.world = world or discover()
         w = self.world
         self._engine = _core.Engine(
             rank=w.rank, size=w.size, local_rank=w.local_rank, local_size=w.local_size, host=w.host,
-            store_addr=w.store_addr, store_port=w.store_port, secret=w.secret,
+            store_addr=w.store_addr, store_port=w.store_port, secret=w.secret, rendezvous=rendezvous,
+            advertise_addr=advertise_addr, stall_timeout=stall_timeout,
         )
         self._names = {}
         self._name_lock = threading.Lock()

@@ -15,6 +15,36 @@ namespace {
 
 const void* as_ptr(uintptr_t p) { return reinterpret_cast<const void*>(p); }
 
+// A Python object with set(key: str, value: bytes) and get(key: str) -> bytes (a
+// torch.distributed Store, or anything shaped like one) as the bootstrap rendezvous.
+class PyRendezvous : public Rendezvous {
+ public:
+  explicit PyRendezvous(py::object store) : store_(std::move(store)) {}
+  ~PyRendezvous() override {
+    py::gil_scoped_acquire gil;
+    store_ = py::object();
+  }
+  void set(const std::string& key, const std::string& value) override {
+    py::gil_scoped_acquire gil;
+    try {
+      store_.attr("set")(key, py::bytes(value));
+    } catch (const py::error_already_set& e) {
+      throw PeerError("rendezvous set('" + key + "') failed: " + e.what());
+    }
+  }
+  std::string get(const std::string& key, double timeout_s) override {
+    py::gil_scoped_acquire gil;
+    try {
+      return store_.attr("get")(key).cast<std::string>();
+    } catch (const py::error_already_set& e) {
+      throw PeerError("rendezvous get('" + key + "') failed (is every rank of the group up?): " + e.what());
+    }
+  }
+
+ private:
+  py::object store_;
+};
+
 py::dict counters_dict(const Counters& c) {
   py::dict d;
   d["submitted"] = c.submitted.load();
@@ -67,7 +97,8 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](int rank, int size, int local_rank, int local_size, const std::string& host,
-                       const std::string& store_addr, int store_port, const std::string& secret) {
+                       const std::string& store_addr, int store_port, const std::string& secret,
+                       py::object rendezvous, const std::string& advertise_addr, double stall_timeout) {
              WorldSpec s;
              s.rank = rank;
              s.size = size;
@@ -77,11 +108,15 @@ PYBIND11_MODULE(_core, m) {
              s.store_addr = store_addr;
              s.store_port = store_port;
              s.secret = secret;
+             if (!rendezvous.is_none()) s.rendezvous = std::make_shared<PyRendezvous>(rendezvous);
+             s.advertise_addr = advertise_addr;
+             s.stall_timeout_s = stall_timeout;
              py::gil_scoped_release nogil;
              return new Engine(s);
            }),
            py::arg("rank"), py::arg("size"), py::arg("local_rank"), py::arg("local_size"), py::arg("host"),
-           py::arg("store_addr"), py::arg("store_port"), py::arg("secret"))
+           py::arg("store_addr"), py::arg("store_port"), py::arg("secret"), py::arg("rendezvous") = py::none(),
+           py::arg("advertise_addr") = "", py::arg("stall_timeout") = -1.0)
       .def_property_readonly("rank", &Engine::rank)
       .def_property_readonly("size", &Engine::size)
       .def_property_readonly("local_rank", &Engine::local_rank)
@@ -122,6 +157,9 @@ PYBIND11_MODULE(_core, m) {
              e.copy_owned_output(h, reinterpret_cast<void*>(dst));
            })
       .def("release", &Engine::release)
+      .def("watch", &Engine::watch)
+      .def("next_completions", &Engine::next_completions, py::arg("timeout"),
+           py::call_guard<py::gil_scoped_release>())
       .def("counters", [](Engine& e) { return counters_dict(e.counters()); })
       .def("abort_message", &Engine::abort_message)
       .def("store_refused_connections", &Engine::store_refused_connections)

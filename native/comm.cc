@@ -64,16 +64,24 @@ Comm::~Comm() {
 
 void Comm::bootstrap(const WorldSpec& spec) {
   const double timeout = config_.timeout_s;
-  if (spec.store_port <= 0)
-    throw Error("a world of " + std::to_string(size_) + " ranks needs a rendezvous store port "
-                "(SMDDP_STORE_PORT or MASTER_PORT)");
-  if (rank_ == 0) store_server_ = std::make_unique<StoreServer>(spec.store_port, secret_);
-  store_ = std::make_unique<StoreClient>(spec.store_addr, spec.store_port, secret_, timeout);
+  std::string my_addr = spec.advertise_addr;
+  if (spec.rendezvous) {
+    store_ = spec.rendezvous;
+    if (my_addr.empty()) my_addr = "127.0.0.1";
+  } else {
+    if (spec.store_port <= 0)
+      throw Error("a world of " + std::to_string(size_) + " ranks needs a rendezvous store port "
+                  "(SMDDP_STORE_PORT or MASTER_PORT)");
+    if (rank_ == 0) store_server_ = std::make_unique<StoreServer>(spec.store_port, secret_);
+    auto client = std::make_shared<StoreClient>(spec.store_addr, spec.store_port, secret_, timeout);
+    if (my_addr.empty()) my_addr = client->local_ip();
+    store_ = client;
+  }
 
   // 1. Publish how to reach this rank; learn everyone else's.
   Socket listener = Socket::listen_on(0);
   std::ostringstream me;
-  me << spec.host << "\n" << store_->local_ip() << "\n" << listener.local_port() << "\n" << ::getpid() << "\n";
+  me << spec.host << "\n" << my_addr << "\n" << listener.local_port() << "\n" << ::getpid() << "\n";
   store_->set("rank/" + std::to_string(rank_), me.str());
   std::vector<std::string> hosts(size_), addrs(size_);
   std::vector<int> ports(size_);
@@ -185,6 +193,7 @@ void Comm::bootstrap(const WorldSpec& spec) {
   // 5. Everyone is wired: a store barrier so no rank starts before its peers are ready.
   store_->set("ready/" + std::to_string(rank_), "1");
   for (int r = 0; r < size_; ++r) store_->get("ready/" + std::to_string(r), timeout);
+  if (spec.rendezvous) store_.reset();  // a framework's store is needed for bootstrap only
 
   // 6. Can local ranks read each other's memory? (All local ranks probe together.)
   if (segment_ && config_.cma != "0") {

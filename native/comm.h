@@ -24,6 +24,12 @@ struct WorldSpec {
   std::string store_addr = "127.0.0.1";
   int store_port = 0;
   std::string secret;
+  // A framework's store to bootstrap through instead of our own (then store_addr/port are
+  // unused), and the address other hosts reach this rank at (default: found by the store).
+  std::shared_ptr<Rendezvous> rendezvous;
+  std::string advertise_addr;
+  // Seconds a tensor may wait for ranks that have not submitted it; <0: SMDDP_TIMEOUT.
+  double stall_timeout_s = -1;
 };
 
 // One pending piece of a transfer set: send or receive `n` bytes on a channel.
@@ -88,7 +94,7 @@ class Comm {
   std::vector<int> rank_host_;
   std::string secret_;
   std::unique_ptr<StoreServer> store_server_;
-  std::unique_ptr<StoreClient> store_;
+  std::shared_ptr<Rendezvous> store_;
   std::unique_ptr<HostSegment> segment_;
   // channels_[peer][kind]
   std::vector<std::vector<std::unique_ptr<Channel>>> channels_;

@@ -18,6 +18,7 @@ Engine::Engine(const WorldSpec& spec) : config_(EngineConfig::from_environment()
   local_size_ = comm_->local_size();
   num_hosts_ = comm_->num_hosts();
   host_index_ = comm_->host_index();
+  stall_timeout_s_ = spec.stall_timeout_s > 0 ? spec.stall_timeout_s : config_.timeout_s;
   timeline_.open(config_.timeline_path, comm_->rank());
   rank_gone_.assign(comm_->size(), false);
   thread_ = std::thread([this] { loop(); });
@@ -96,6 +97,10 @@ void Engine::complete(const std::shared_ptr<Entry>& e, const std::string& error)
     if (e->done) return;
     e->error = error;
     e->done = true;
+    if (e->notify) {
+      completions_.push_back(e->handle);
+      completion_cv_.notify_all();
+    }
   }
   (error.empty() ? counters_.completed : counters_.failed)++;
   done_cv_.notify_all();
@@ -152,6 +157,27 @@ void Engine::copy_owned_output(uint64_t handle, void* dst) {
   if (it == handles_.end() || !it->second->done) throw Error("output: operation not complete");
   const auto& v = it->second->owned_output;
   if (!v.empty()) std::memcpy(dst, v.data(), v.size());
+}
+
+void Engine::watch(uint64_t handle) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) throw Error("unknown or already released handle " + std::to_string(handle));
+  if (it->second->done) {
+    completions_.push_back(handle);
+    completion_cv_.notify_all();
+  } else {
+    it->second->notify = true;
+  }
+}
+
+std::vector<uint64_t> Engine::next_completions(double timeout_s) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  completion_cv_.wait_for(lock, std::chrono::microseconds(int64_t(timeout_s * 1e6)),
+                          [&] { return !completions_.empty() || shut_down_; });
+  std::vector<uint64_t> out(completions_.begin(), completions_.end());
+  completions_.clear();
+  return out;
 }
 
 void Engine::release(uint64_t handle) {
@@ -259,6 +285,7 @@ void Engine::shutdown() {
     stop_ = true;
   }
   work_cv_.notify_all();
+  completion_cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   fail_everything("the smddp engine was shut down", "");
   timeline_.close();

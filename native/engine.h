@@ -59,6 +59,7 @@ struct Entry {
   size_t p2p_header_done = 0;
   bool p2p_discarding = false;
   // Completion.
+  bool notify = false;  // report through next_completions()
   bool done = false;
   std::string error;
 };
@@ -92,6 +93,10 @@ class Engine {
   size_t owned_output_bytes(uint64_t handle);
   void copy_owned_output(uint64_t handle, void* dst);
   void release(uint64_t handle);
+  // Completion notifications for frontends that complete futures: after watch(h), h is
+  // returned once by next_completions() when it finishes (at once if it already has).
+  void watch(uint64_t handle);
+  std::vector<uint64_t> next_completions(double timeout_s);
 
   const Counters& counters() const { return counters_; }
   std::string abort_message();
@@ -137,6 +142,9 @@ class Engine {
   std::mutex mutex_;
   std::condition_variable work_cv_;   // wakes the background thread
   std::condition_variable done_cv_;   // wakes waiting callers
+  std::condition_variable completion_cv_;
+  std::deque<uint64_t> completions_;
+  double stall_timeout_s_ = 0;
   std::deque<std::shared_ptr<Entry>> incoming_;
   std::unordered_map<uint64_t, std::shared_ptr<Entry>> handles_;
   std::string abort_message_;

@@ -226,10 +226,10 @@ std::vector<Response> Engine::check_stalls() {
     std::string problem;
     if (!gone.empty()) {
       problem = "rank(s) " + rank_list(gone) + " shut down without submitting tensor '" + kv.first + "'";
-    } else if (age > config_.timeout_s) {
+    } else if (age > stall_timeout_s_) {
       problem = "tensor '" + kv.first + "' was submitted by rank(s) " + rank_list(have) + " but rank(s) " +
-                rank_list(missing) + " did not submit it within " + std::to_string(int(config_.timeout_s)) +
-                " s (SMDDP_TIMEOUT)";
+                rank_list(missing) + " did not submit it within " + std::to_string(int(stall_timeout_s_)) +
+                " s (the timeout: SMDDP_TIMEOUT, or the framework's)";
     } else if (age > config_.stall_warning_s && !t.stall_warned) {
       t.stall_warned = true;
       SMDDP_LOG(1, "tensor '" + kv.first + "' has waited " + std::to_string(int(age)) + " s: submitted by rank(s) " +

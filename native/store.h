@@ -33,12 +33,21 @@ class StoreServer {
   std::thread thread_;
 };
 
-class StoreClient {
+// Where ranks publish and look up bootstrap records: our own store, or a framework's
+// (torch.distributed's c10d store, through the Python binding).
+class Rendezvous {
+ public:
+  virtual ~Rendezvous() = default;
+  virtual void set(const std::string& key, const std::string& value) = 0;
+  // Blocks until the key exists; throws PeerError naming the key after timeout_s.
+  virtual std::string get(const std::string& key, double timeout_s) = 0;
+};
+
+class StoreClient : public Rendezvous {
  public:
   StoreClient(const std::string& host, int port, const std::string& secret, double timeout_s);
-  void set(const std::string& key, const std::string& value);
-  // Blocks until the key exists; throws PeerError naming the key after timeout_s.
-  std::string get(const std::string& key, double timeout_s);
+  void set(const std::string& key, const std::string& value) override;
+  std::string get(const std::string& key, double timeout_s) override;
   std::string local_ip() const { return sock_.local_ip(); }
 
  private:

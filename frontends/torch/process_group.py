@@ -1,0 +1,278 @@
+"""ProcessGroupSMDDP: torch.distributed's process-group interface over the native engine.
+
+Each group (the world, and every new_group()) owns one engine bootstrapped through the
+group's c10d store, so sub-groups and groups of other backends coexist. Tensors go to the
+engine as data pointers, without copies when they are contiguous. Collectives are matched
+across ranks by a per-group sequence number, the order torch.distributed already requires.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import socket
+import threading
+from datetime import timedelta
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+from smdistributed import _core
+from smdistributed.common.discovery import WorldInfo
+from smdistributed.common.engine import Core
+
+from .tensors import contiguous, core_dtype, core_op, nbytes
+from .work import CompletionThread, SmddpWork
+
+OpType = _core.OpType
+
+
+def _advertise_address() -> str:
+    """The local address peers on other hosts can reach: the one that routes to MASTER_ADDR."""
+    master = os.environ.get("MASTER_ADDR", "")
+    if master in ("", "localhost") or master.startswith("127."):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))  # no packet is sent
+            return s.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+def _group_secret(store, rank: int) -> str:
+    # The launcher's secret when there is one; otherwise group rank 0 makes one and shares it
+    # through the c10d store (which every rank of the group already trusts).
+    if os.environ.get("SMDDP_SECRET"):
+        return os.environ["SMDDP_SECRET"]
+    if rank == 0:
+        store.set("smddp/secret", secrets.token_hex(16))
+    return store.get("smddp/secret").decode()
+
+
+def _reduce_op(opts):
+    return core_op(opts.reduceOp) if opts is not None else _core.ReduceOp.SUM
+
+
+def _root(opts) -> int:
+    return opts.rootRank if opts is not None else 0
+
+
+class ProcessGroupSMDDP(dist.ProcessGroup):
+    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+        super().__init__(rank, size)
+        host = os.environ.get("SMDDP_HOST") or socket.gethostname()
+        world = WorldInfo(rank=rank, size=size, local_rank=-1, local_size=-1, host=host, store_addr="",
+                          store_port=0, secret=_group_secret(store, rank), launcher="torch")
+        self._core = Core(world, rendezvous=store, advertise_addr=_advertise_address(),
+                          stall_timeout=timeout.total_seconds() if timeout else -1.0)
+        self._engine = self._core._engine
+        self._seq = itertools.count()
+        self._seq_lock = threading.Lock()
+        self._completion_thread = None
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return "smddp"
+
+    def name(self) -> str:
+        return "smddp"
+
+    def _completions(self) -> CompletionThread:
+        if self._completion_thread is None:
+            self._completion_thread = CompletionThread(self._engine)
+        return self._completion_thread
+
+    def _name(self, kind: str) -> str:
+        with self._seq_lock:
+            return f"c10d.{next(self._seq)}.{kind}"
+
+    def _submit(self, op, kind, inp: torch.Tensor, out, *, shape=None, reduce=_core.ReduceOp.SUM, root=0,
+                splits=(), per_rank=(), name=None) -> int:
+        return self._engine.submit(
+            op=op, name=name or self._name(kind), in_ptr=inp.data_ptr(),
+            out_ptr=0 if out is None else out.data_ptr(), count=inp.numel(),
+            out_capacity=0 if out is None else nbytes(out), dtype=core_dtype(inp),
+            shape=list(inp.shape) if shape is None else list(shape), reduce_op=reduce, root=root,
+            splits=list(splits), per_rank=list(per_rank),
+        )
+
+    @staticmethod
+    def _chain(*fns):
+        fns = [f for f in fns if f is not None]
+        return (lambda: [f() for f in fns]) if fns else None
+
+    # -- collectives ------------------------------------------------------------------------
+    def allreduce(self, tensors: List[torch.Tensor], opts=None):
+        op = _reduce_op(opts)
+        handles, backs = [], []
+        for t in tensors:
+            buf, back = contiguous(t, "allreduce")
+            handles.append(self._submit(OpType.ALLREDUCE, "allreduce", buf, buf, reduce=op))
+            backs.append(back)
+        return SmddpWork(self, handles, tensors, self._chain(*backs))
+
+    def allreduce_coalesced(self, tensors: List[torch.Tensor], opts=None):
+        # Submitted together, so the engine fuses them into as few transfers as fit.
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: List[torch.Tensor], opts=None):
+        handles, backs = [], []
+        for t in tensors:
+            buf, back = contiguous(t, "broadcast")
+            handles.append(self._submit(OpType.BROADCAST, "broadcast", buf, buf, root=_root(opts)))
+            backs.append(back)
+        return SmddpWork(self, handles, tensors, self._chain(*backs))
+
+    def reduce(self, tensors: List[torch.Tensor], opts=None):
+        t = tensors[0]
+        buf, back = contiguous(t, "reduce")
+        h = self._submit(OpType.REDUCE, "reduce", buf, buf, reduce=_reduce_op(opts), root=_root(opts))
+        return SmddpWork(self, [h], tensors, back if self.rank() == _root(opts) else None)
+
+    def _allgather_flat(self, inp: torch.Tensor, out_flat: torch.Tensor) -> int:
+        flat_in = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().reshape(-1)
+        return self._submit(OpType.ALLGATHER, "allgather", flat_in, out_flat, shape=[flat_in.numel()],
+                            per_rank=[flat_in.numel()])
+
+    def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
+                  opts=None):
+        outs, inp = output_tensors[0], input_tensors[0]
+        contiguous(inp, "all_gather")
+        for o in outs:
+            contiguous(o, "all_gather output")
+        flat = torch.empty(sum(o.numel() for o in outs), dtype=inp.dtype)
+        h = self._allgather_flat(inp, flat)
+
+        def scatter_back():
+            offset = 0
+            for o in outs:
+                o.copy_(flat[offset:offset + o.numel()].view(o.shape))
+                offset += o.numel()
+
+        return SmddpWork(self, [h], output_tensors, scatter_back)
+
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None):
+        out, back = contiguous(output, "all_gather_into_tensor output")
+        contiguous(inp, "all_gather_into_tensor")
+        if out.numel() != inp.numel() * self.size():
+            raise ValueError(f"smddp all_gather_into_tensor: output has {out.numel()} elements, expected "
+                             f"{inp.numel()} x {self.size()} ranks")
+        return SmddpWork(self, [self._allgather_flat(inp, out.view(-1))], [output], back)
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return SmddpWork(self, [h for w in works for h in w._pending], outputs,
+                         self._chain(*[w._finish for w in works]))
+
+    def reduce_scatter(self, output_tensors: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
+                       opts=None):
+        out, ins = output_tensors[0], input_lists[0]
+        if len(ins) != self.size():
+            raise ValueError(f"smddp reduce_scatter: {len(ins)} inputs for {self.size()} ranks")
+        flat = torch.cat([i.reshape(-1) for i in ins])
+        counts = [i.numel() for i in ins]
+        buf, back = contiguous(out, "reduce_scatter output")
+        h = self._submit(OpType.REDUCE_SCATTER, "reduce_scatter", flat, buf, reduce=_reduce_op(opts),
+                         splits=counts, shape=[flat.numel()])
+        return SmddpWork(self, [h], output_tensors, self._chain(back, lambda: flat))
+
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None):
+        out, back = contiguous(output, "reduce_scatter_tensor output")
+        src, _ = contiguous(inp, "reduce_scatter_tensor")
+        if src.numel() != out.numel() * self.size():
+            raise ValueError(f"smddp reduce_scatter_tensor: input has {src.numel()} elements, expected "
+                             f"{out.numel()} x {self.size()} ranks")
+        h = self._submit(OpType.REDUCE_SCATTER, "reduce_scatter", src.view(-1), out, reduce=_reduce_op(opts),
+                         splits=[out.numel()] * self.size(), shape=[src.numel()])
+        return SmddpWork(self, [h], [output], back)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
+        return SmddpWork(self, [h for w in works for h in w._pending], outputs,
+                         self._chain(*[w._finish for w in works]))
+
+    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes, input_split_sizes,
+                          opts=None):
+        P = self.size()
+        src, _ = contiguous(inp, "all_to_all_single")
+        out, back = contiguous(output, "all_to_all_single output")
+        rows = src.shape[0] if src.dim() else 1
+        if not input_split_sizes:
+            if rows % P:
+                raise ValueError(f"smddp all_to_all_single: dim 0 ({rows}) does not split evenly over {P} ranks")
+            input_split_sizes = [rows // P] * P
+        if output_split_sizes and sum(output_split_sizes) != (out.shape[0] if out.dim() else 1):
+            raise ValueError("smddp all_to_all_single: output_split_sizes do not add up to the output's dim 0")
+        shape = list(src.shape) if src.dim() else [1]
+        # The engine learns what each rank sends from the senders' splits and refuses an
+        # output too small for it.
+        h = self._submit(OpType.ALLTOALL, "all_to_all", src, out, shape=shape, per_rank=list(input_split_sizes))
+        return SmddpWork(self, [h], [output], back)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
+                 opts=None):
+        flat_in = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else torch.empty(0)
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
+        h = self._submit(OpType.ALLTOALL, "alltoall", flat_in, flat_out, shape=[flat_in.numel()],
+                         per_rank=[t.numel() for t in input_tensors])
+
+        def unpack():
+            offset = 0
+            for t in output_tensors:
+                t.copy_(flat_out[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+
+        return SmddpWork(self, [h], output_tensors, unpack)
+
+    def barrier(self, opts=None):
+        dummy = torch.empty(0, dtype=torch.uint8)
+        return SmddpWork(self, [self._submit(OpType.BARRIER, "barrier", dummy, None)], [])
+
+    def gather(self, output_lists, input_tensors, opts=None):
+        # Through allgather: root keeps the parts (bandwidth P x what a tree gather would move).
+        inp = input_tensors[0]
+        flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype)
+        h = self._allgather_flat(inp, flat)
+        outs = output_lists[0] if self.rank() == _root(opts) else []
+
+        def unpack():
+            for r, o in enumerate(outs):
+                o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view(o.shape))
+
+        return SmddpWork(self, [h], output_lists, unpack)
+
+    def scatter(self, output_tensors, input_lists, opts=None):
+        out = output_tensors[0]
+        n = out.numel()
+        flat = (torch.cat([t.reshape(-1) for t in input_lists[0]]) if self.rank() == _root(opts)
+                else torch.empty(n * self.size(), dtype=out.dtype))
+        h = self._submit(OpType.BROADCAST, "scatter", flat, flat, root=_root(opts))
+        me = self.rank()
+        return SmddpWork(self, [h], output_tensors, lambda: out.copy_(flat[me * n:(me + 1) * n].view(out.shape)))
+
+    def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0):
+        buf, _ = contiguous(tensors[0], "send")
+        return SmddpWork(self, [self._engine.send(dst, tag, buf.data_ptr(), nbytes(buf))], tensors)
+
+    def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0):
+        buf, back = contiguous(tensors[0], "recv")
+        return SmddpWork(self, [self._engine.recv(src, tag, buf.data_ptr(), nbytes(buf))], tensors, back)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise RuntimeError("smddp: recv without a source rank (recv_anysource) is not supported; pass src=")
+
+    def shutdown(self):
+        if self._completion_thread is not None:
+            self._completion_thread.stop()
+        self._core.shutdown()
+
+    def abort(self):
+        self.shutdown()

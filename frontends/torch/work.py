@@ -1,0 +1,131 @@
+"""Work handles for the smddp process group, and the thread that completes their futures.
+
+A Work wraps one or more engine handles. wait() blocks in the engine (GIL released); the
+torch Future that get_future() returns is completed by one background thread per engine,
+which the engine wakes as operations finish, so DDP's communication hooks chain on it
+without anyone calling wait().
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class CompletionThread:
+    """Completes the futures of an engine's watched operations as they finish."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._works = {}  # handle -> Work
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="smddp-completions", daemon=True)
+        self._thread.start()
+
+    def watch(self, work: "SmddpWork", handle: int) -> None:
+        with self._lock:
+            self._works[handle] = work
+        self._engine.watch(handle)
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def _run(self) -> None:
+        while not self._stop:
+            try:
+                done = self._engine.next_completions(0.2)
+            except Exception:  # engine shut down
+                return
+            for handle in done:
+                with self._lock:
+                    work = self._works.pop(handle, None)
+                if work is not None:
+                    work._handle_finished(handle)
+
+
+class SmddpWork(dist.Work):
+    """Handles of one collective call; `result` is what its future holds on success."""
+
+    def __init__(self, pg, handles: List[int], result, finish: Optional[Callable[[], None]] = None):
+        super().__init__()
+        self._pg = weakref.ref(pg)
+        self._engine = pg._core._engine
+        self._pending = list(handles)
+        self._result = result
+        self._finish = finish  # copies results into the caller's tensors, once
+        self._error: Optional[Exception] = None
+        self._done = False
+        self._lock = threading.RLock()
+        self._future: Optional[torch.futures.Future] = None
+
+    # -- completion, from wait() or from the completion thread -----------------------------
+    def _complete_handle(self, handle: int) -> None:
+        try:
+            self._engine.wait(handle, -1.0)
+        except Exception as e:  # the engine's message names the tensor and the failure
+            if self._error is None:
+                self._error = RuntimeError(str(e))
+
+    def _finalize(self) -> None:
+        if self._error is None and self._finish is not None:
+            try:
+                self._finish()
+            except Exception as e:
+                self._error = e
+        self._done = True
+        if self._future is not None and not self._future.done():
+            if self._error is None:
+                self._future.set_result(self._result)
+            else:
+                self._future.set_exception(self._error)
+
+    def _handle_finished(self, handle: int) -> None:
+        with self._lock:
+            if handle in self._pending:
+                self._pending.remove(handle)
+                self._complete_handle(handle)
+                if not self._pending:
+                    self._finalize()
+
+    # -- torch's Work interface -------------------------------------------------------------
+    def wait(self, timeout=None) -> bool:
+        with self._lock:
+            while self._pending:
+                self._complete_handle(self._pending.pop(0))
+            if not self._done:
+                self._finalize()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        with self._lock:
+            if self._done:
+                return True
+            return all(self._engine.poll(h) for h in self._pending)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._done:
+                    self._finalize()
+                else:
+                    pg = self._pg()
+                    for h in list(self._pending):
+                        pg._completions().watch(self, h)
+            return self._future

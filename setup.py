@@ -38,6 +38,7 @@ setup(
         "smdistributed.common": "common",
         "smdistributed.dataparallel": "frontends/package_roots/dataparallel",
         "smdistributed.dataparallel.torch": "frontends/torch",
+        "smdistributed.dataparallel.torch.parallel": "frontends/torch/parallel",
         "smdistributed.dataparallel.tensorflow": "frontends/tensorflow",
     },
     packages=[
@@ -45,6 +46,7 @@ setup(
         "smdistributed.common",
         "smdistributed.dataparallel",
         "smdistributed.dataparallel.torch",
+        "smdistributed.dataparallel.torch.parallel",
         "smdistributed.dataparallel.tensorflow",
     ],
 )

@@ -158,6 +158,7 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("release", &Engine::release)
       .def("watch", &Engine::watch)
+      .def_property("fusion_threshold", &Engine::fusion_threshold, &Engine::set_fusion_threshold)
       .def("next_completions", &Engine::next_completions, py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())
       .def("counters", [](Engine& e) { return counters_dict(e.counters()); })

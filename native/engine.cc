@@ -19,6 +19,7 @@ Engine::Engine(const WorldSpec& spec) : config_(EngineConfig::from_environment()
   num_hosts_ = comm_->num_hosts();
   host_index_ = comm_->host_index();
   stall_timeout_s_ = spec.stall_timeout_s > 0 ? spec.stall_timeout_s : config_.timeout_s;
+  fusion_bytes_ = config_.fusion_bytes;
   timeline_.open(config_.timeline_path, comm_->rank());
   rank_gone_.assign(comm_->size(), false);
   thread_ = std::thread([this] { loop(); });

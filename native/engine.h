@@ -76,6 +76,10 @@ class Engine {
   int num_hosts() const { return num_hosts_; }
   int host_index() const { return host_index_; }
   const EngineConfig& config() const { return config_; }
+  // The fusion threshold rank 0 applies from now on (a wrapper's bucket_cap_mb); every rank
+  // may call it, only rank 0's value matters.
+  void set_fusion_threshold(int64_t bytes) { fusion_bytes_ = bytes; }
+  int64_t fusion_threshold() const { return fusion_bytes_; }
 
   // Queues a collective. `out` may be null for allgather/alltoall: the engine allocates.
   // `out_capacity` is the size of `out` in bytes, checked against what negotiation decides.
@@ -145,6 +149,7 @@ class Engine {
   std::condition_variable completion_cv_;
   std::deque<uint64_t> completions_;
   double stall_timeout_s_ = 0;
+  std::atomic<int64_t> fusion_bytes_{0};
   std::deque<std::shared_ptr<Entry>> incoming_;
   std::unordered_map<uint64_t, std::shared_ptr<Entry>> handles_;
   std::string abort_message_;

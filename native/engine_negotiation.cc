@@ -185,7 +185,7 @@ std::vector<Response> Engine::build_responses() {
           break;
         }
       }
-      if (fit && fit->bytes + bytes <= config_.fusion_bytes) {
+      if (fit && fit->bytes + bytes <= fusion_bytes_.load()) {
         out[fit->index].entries.push_back(entry);
         fit->bytes += bytes;
         continue;

@@ -1,1 +1,7 @@
-"""smdistributed.dataparallel.torch: the PyTorch frontend (the smddp backend and the older API)."""
+"""smdistributed.dataparallel.torch: the PyTorch frontend.
+
+    import smdistributed.dataparallel.torch.torch_smddp   # registers the "smddp" backend
+    torch.distributed.init_process_group(backend="smddp")
+
+The older API lives in `.distributed` and `.parallel` (deprecated, still working).
+"""

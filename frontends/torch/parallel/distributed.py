@@ -1,0 +1,141 @@
+"""The older `smdistributed.dataparallel.torch.parallel.DistributedDataParallel`.
+
+Unlike torch's DDP it hands gradients straight to the native engine: a hook on every
+parameter enqueues that gradient's averaging allreduce, by parameter name, the moment
+autograd has accumulated it. The engine fuses whatever is ready on every rank into
+buckets of `bucket_cap_mb` and reduces them on its own thread while backward goes on;
+at the end of backward the wrapper waits for the last of them, so the optimizer sees
+averaged gradients. Matching by name means ranks need not produce gradients in the same
+order, and a parameter a rank did not use this step is reduced as zeros.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from smdistributed import _core
+
+from ..deprecation import warn_once
+from ..process_group import ProcessGroupSMDDP
+from ..tensors import check_tensor, core_dtype
+
+DEFAULT_BUCKET_CAP_MB = 25
+_instances = itertools.count()  # wrappers are created in the same order on every rank
+
+
+def _smddp_group(process_group):
+    pg = process_group or dist.group.WORLD
+    if pg is None or not dist.is_initialized():
+        raise RuntimeError("DistributedDataParallel: call init_process_group() (backend smddp) before wrapping")
+    backend = pg if isinstance(pg, ProcessGroupSMDDP) else None
+    if backend is None:
+        try:
+            backend = pg._get_backend(torch.device("cpu"))
+        except Exception:
+            backend = None
+    if not isinstance(backend, ProcessGroupSMDDP):
+        raise RuntimeError("smdistributed DistributedDataParallel needs a process group of the smddp backend")
+    return backend
+
+
+class DistributedDataParallel(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, broadcast_buffers=True,
+                 process_group=None, bucket_cap_mb=None):
+        super().__init__()
+        warn_once("parallel.DistributedDataParallel", "torch.nn.parallel.DistributedDataParallel")
+        self.module = module
+        self.broadcast_buffers = broadcast_buffers
+        self._prefix = f"smddp.ddp{next(_instances)}"
+        self._pg = _smddp_group(process_group)
+        self._engine = self._pg._engine
+        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        self._engine.fusion_threshold = int(cap * 1024 * 1024)
+        self._params: Dict[str, torch.nn.Parameter] = {
+            n: p for n, p in module.named_parameters() if p.requires_grad
+        }
+        for name, p in self._params.items():
+            check_tensor(p, f"DistributedDataParallel parameter '{name}'")
+        self._require_sync = True
+        self._in_flight: List[int] = []
+        self._reduced = set()  # names reduced during the current backward
+        self._callback_queued = False
+        self._sync_module_states()
+        for name, p in self._params.items():
+            p.register_post_accumulate_grad_hook(self._make_hook(name))
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _submit(self, op, name: str, t: torch.Tensor, **kw) -> int:
+        return self._engine.submit(op=op, name=name, in_ptr=t.data_ptr(), out_ptr=t.data_ptr(), count=t.numel(),
+                                   out_capacity=t.numel() * t.element_size(), dtype=core_dtype(t),
+                                   shape=list(t.shape), **kw)
+
+    def _broadcast_all(self, prefix: str, tensors: Dict[str, torch.Tensor]) -> None:
+        handles = []
+        for name, t in tensors.items():
+            if not t.is_contiguous():
+                raise RuntimeError(f"DistributedDataParallel: '{name}' is not contiguous")
+            handles.append(self._submit(_core.OpType.BROADCAST, f"{prefix}.{name}", t.data, root=0))
+        for h in handles:
+            self._engine.wait(h, -1.0)
+
+    def _sync_module_states(self) -> None:
+        # Every rank starts from rank 0's parameters and buffers.
+        with torch.no_grad():
+            self._broadcast_all(f"{self._prefix}.param", dict(self.module.named_parameters()))
+            self._broadcast_all(f"{self._prefix}.buffer", dict(self.module.named_buffers()))
+
+    # -- gradient reduction ----------------------------------------------------------------
+    def _make_hook(self, name: str):
+        def hook(param: torch.Tensor) -> None:
+            if not self._require_sync:
+                return
+            self._queue_final_callback()
+            self._reduced.add(name)
+            self._in_flight.append(
+                self._submit(_core.OpType.ALLREDUCE, f"{self._prefix}.grad.{name}", param.grad,
+                             reduce_op=_core.ReduceOp.AVERAGE))
+
+        return hook
+
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _finish_backward(self) -> None:
+        # Parameters this rank did not use still take part, as zeros, so every rank's
+        # engine sees the same names.
+        for name, p in self._params.items():
+            if name not in self._reduced:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                self._in_flight.append(
+                    self._submit(_core.OpType.ALLREDUCE, f"{self._prefix}.grad.{name}", p.grad,
+                                 reduce_op=_core.ReduceOp.AVERAGE))
+        handles, self._in_flight = self._in_flight, []
+        self._reduced = set()
+        self._callback_queued = False
+        for h in handles:
+            self._engine.wait(h, -1.0)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the first backward after the block reduces them."""
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        if self.broadcast_buffers:
+            buffers = dict(self.module.named_buffers())
+            if buffers:
+                with torch.no_grad():
+                    self._broadcast_all(f"{self._prefix}.buffer", buffers)
+        return self.module(*inputs, **kwargs)

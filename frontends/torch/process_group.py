@@ -129,12 +129,13 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         t = tensors[0]
         buf, back = contiguous(t, "reduce")
         h = self._submit(OpType.REDUCE, "reduce", buf, buf, reduce=_reduce_op(opts), root=_root(opts))
-        return SmddpWork(self, [h], tensors, back if self.rank() == _root(opts) else None)
+        return SmddpWork(self, [h], tensors, back if self.rank() == _root(opts) else None, keep=buf)
 
-    def _allgather_flat(self, inp: torch.Tensor, out_flat: torch.Tensor) -> int:
+    def _allgather_flat(self, inp: torch.Tensor, out_flat: torch.Tensor):
+        """(handle, the flat input the engine reads, which the Work must keep alive)."""
         flat_in = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().reshape(-1)
         return self._submit(OpType.ALLGATHER, "allgather", flat_in, out_flat, shape=[flat_in.numel()],
-                            per_rank=[flat_in.numel()])
+                            per_rank=[flat_in.numel()]), flat_in
 
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                   opts=None):
@@ -143,7 +144,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         for o in outs:
             contiguous(o, "all_gather output")
         flat = torch.empty(sum(o.numel() for o in outs), dtype=inp.dtype)
-        h = self._allgather_flat(inp, flat)
+        h, flat_in = self._allgather_flat(inp, flat)
 
         def scatter_back():
             offset = 0
@@ -151,7 +152,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 o.copy_(flat[offset:offset + o.numel()].view(o.shape))
                 offset += o.numel()
 
-        return SmddpWork(self, [h], output_tensors, scatter_back)
+        return SmddpWork(self, [h], output_tensors, scatter_back, keep=flat_in)
 
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None):
         out, back = contiguous(output, "all_gather_into_tensor output")
@@ -159,14 +160,15 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if out.numel() != inp.numel() * self.size():
             raise ValueError(f"smddp all_gather_into_tensor: output has {out.numel()} elements, expected "
                              f"{inp.numel()} x {self.size()} ranks")
-        return SmddpWork(self, [self._allgather_flat(inp, out.view(-1))], [output], back)
+        h, flat_in = self._allgather_flat(inp, out.view(-1))
+        return SmddpWork(self, [h], [output], back, keep=(flat_in, out))
 
     _allgather_base = all_gather_single
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return SmddpWork(self, [h for w in works for h in w._pending], outputs,
-                         self._chain(*[w._finish for w in works]))
+                         self._chain(*[w._finish for w in works]), keep=[w._keep for w in works])
 
     def reduce_scatter(self, output_tensors: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
                        opts=None):
@@ -188,14 +190,14 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                              f"{out.numel()} x {self.size()} ranks")
         h = self._submit(OpType.REDUCE_SCATTER, "reduce_scatter", src.view(-1), out, reduce=_reduce_op(opts),
                          splits=[out.numel()] * self.size(), shape=[src.numel()])
-        return SmddpWork(self, [h], [output], back)
+        return SmddpWork(self, [h], [output], back, keep=(src, out))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
         return SmddpWork(self, [h for w in works for h in w._pending], outputs,
-                         self._chain(*[w._finish for w in works]))
+                         self._chain(*[w._finish for w in works]), keep=[w._keep for w in works])
 
     def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes, input_split_sizes,
                           opts=None):
@@ -213,7 +215,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         # The engine learns what each rank sends from the senders' splits and refuses an
         # output too small for it.
         h = self._submit(OpType.ALLTOALL, "all_to_all", src, out, shape=shape, per_rank=list(input_split_sizes))
-        return SmddpWork(self, [h], [output], back)
+        return SmddpWork(self, [h], [output], back, keep=(src, out))
 
     alltoall_base = all_to_all_single
 
@@ -230,24 +232,24 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                 t.copy_(flat_out[offset:offset + t.numel()].view(t.shape))
                 offset += t.numel()
 
-        return SmddpWork(self, [h], output_tensors, unpack)
+        return SmddpWork(self, [h], output_tensors, unpack, keep=flat_in)
 
     def barrier(self, opts=None):
         dummy = torch.empty(0, dtype=torch.uint8)
-        return SmddpWork(self, [self._submit(OpType.BARRIER, "barrier", dummy, None)], [])
+        return SmddpWork(self, [self._submit(OpType.BARRIER, "barrier", dummy, None)], [], keep=dummy)
 
     def gather(self, output_lists, input_tensors, opts=None):
         # Through allgather: root keeps the parts (bandwidth P x what a tree gather would move).
         inp = input_tensors[0]
         flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype)
-        h = self._allgather_flat(inp, flat)
+        h, flat_in = self._allgather_flat(inp, flat)
         outs = output_lists[0] if self.rank() == _root(opts) else []
 
         def unpack():
             for r, o in enumerate(outs):
                 o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view(o.shape))
 
-        return SmddpWork(self, [h], output_lists, unpack)
+        return SmddpWork(self, [h], output_lists, unpack, keep=flat_in)
 
     def scatter(self, output_tensors, input_lists, opts=None):
         out = output_tensors[0]
@@ -260,7 +262,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0):
         buf, _ = contiguous(tensors[0], "send")
-        return SmddpWork(self, [self._engine.send(dst, tag, buf.data_ptr(), nbytes(buf))], tensors)
+        return SmddpWork(self, [self._engine.send(dst, tag, buf.data_ptr(), nbytes(buf))], tensors, keep=buf)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0):
         buf, back = contiguous(tensors[0], "recv")

@@ -50,8 +50,12 @@ class CompletionThread:
 class SmddpWork(dist.Work):
     """Handles of one collective call; `result` is what its future holds on success."""
 
-    def __init__(self, pg, handles: List[int], result, finish: Optional[Callable[[], None]] = None):
+    def __init__(self, pg, handles: List[int], result, finish: Optional[Callable[[], None]] = None,
+                 keep=()):
         super().__init__()
+        # The engine holds only raw pointers: inputs and staging copies must outlive the
+        # operation even when the caller drops them (dist.all_gather(outs, x.clone(), async_op=True)).
+        self._keep = keep
         self._pg = weakref.ref(pg)
         self._engine = pg._core._engine
         self._pending = list(handles)
@@ -77,6 +81,7 @@ class SmddpWork(dist.Work):
             except Exception as e:
                 self._error = e
         self._done = True
+        self._keep = None
         if self._future is not None and not self._future.done():
             if self._error is None:
                 self._future.set_result(self._result)

@@ -21,6 +21,7 @@ class Channel {
   virtual size_t try_send(const void* data, size_t n) = 0;
   virtual size_t try_recv(void* data, size_t n) = 0;
   virtual void close() {}
+  virtual bool is_shared_memory() const { return false; }
   int peer() const { return peer_; }
   const std::string& description() const { return description_; }
 
@@ -39,13 +40,26 @@ class Channel {
 
 class ShmChannel : public Channel {
  public:
-  ShmChannel(int peer, ShmRing tx, ShmRing rx)
-      : Channel(peer, "shared memory channel to rank " + std::to_string(peer)), tx_(tx), rx_(rx) {}
-  size_t try_send(const void* data, size_t n) override { return tx_.try_write(data, n); }
-  size_t try_recv(void* data, size_t n) override { return rx_.try_read(data, n); }
+  // `peer_bell`: the peer's doorbell, rung whenever this side moves bytes (new data for it,
+  // or space freed in the ring it fills).
+  ShmChannel(int peer, ShmRing tx, ShmRing rx, Doorbell* peer_bell)
+      : Channel(peer, "shared memory channel to rank " + std::to_string(peer)), tx_(tx), rx_(rx),
+        peer_bell_(peer_bell) {}
+  size_t try_send(const void* data, size_t n) override {
+    size_t moved = tx_.try_write(data, n);
+    if (moved) ring_doorbell(*peer_bell_);
+    return moved;
+  }
+  size_t try_recv(void* data, size_t n) override {
+    size_t moved = rx_.try_read(data, n);
+    if (moved) ring_doorbell(*peer_bell_);
+    return moved;
+  }
+  bool is_shared_memory() const override { return true; }
 
  private:
   ShmRing tx_, rx_;
+  Doorbell* peer_bell_;
 };
 
 class TcpChannel : public Channel {

@@ -1,6 +1,7 @@
 #include "comm.h"
 
 #include <functional>
+#include <sched.h>
 #include <map>
 #include <sstream>
 #include <unistd.h>
@@ -45,13 +46,18 @@ Comm::Comm(const WorldSpec& spec, const EngineConfig& config)
   if (size_ == 1) {
     host_ranks_ = {{0}};
     rank_host_ = {0};
-    return;
+  } else {
+    try {
+      bootstrap(spec);
+    } catch (...) {
+      if (segment_) segment_->unlink();
+      throw;
+    }
   }
-  try {
-    bootstrap(spec);
-  } catch (...) {
-    if (segment_) segment_->unlink();
-    throw;
+  if (config_.spin_us < 0) {
+    cpu_set_t set;
+    int cores = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    config_.spin_us = cores >= 2 * local_size_ ? 200 : 50;
   }
 }
 
@@ -140,7 +146,7 @@ void Comm::bootstrap(const WorldSpec& spec) {
       int peer = mine[lr];
       for (int k = 0; k < kNumChannelKinds; ++k)
         channels_[peer][k] = std::make_unique<ShmChannel>(peer, segment_->ring(local_rank_, lr, k),
-                                                          segment_->ring(lr, local_rank_, k));
+                                                          segment_->ring(lr, local_rank_, k), &segment_->doorbell(lr));
     }
   }
 
@@ -216,11 +222,16 @@ void Comm::check_alive(const std::string& what) {
 }
 
 void Comm::run(std::vector<Transfer>& transfers, const std::string& what) {
-  Backoff backoff(config_.spin_us);
+  // Sleep on our doorbell only if every byte comes through shared memory; sockets are polled.
+  bool all_shm = segment_ != nullptr;
+  for (auto& t : transfers) all_shm = all_shm && t.channel->is_shared_memory();
+  Doorbell* bell = all_shm ? &segment_->doorbell(local_rank_) : nullptr;
+  Backoff backoff(config_.spin_us, bell);
   auto last_progress = Clock::now();
   size_t remaining = 0;
   for (auto& t : transfers) remaining += t.done < t.n ? 1 : 0;
   while (remaining > 0) {
+    const uint32_t seen = bell ? bell->rings.load(std::memory_order_acquire) : 0;
     bool progressed = false;
     for (auto& t : transfers) {
       if (t.done >= t.n) continue;
@@ -236,7 +247,7 @@ void Comm::run(std::vector<Transfer>& transfers, const std::string& what) {
       last_progress = Clock::now();
       continue;
     }
-    if (backoff.pause()) {
+    if (backoff.pause(seen)) {
       check_alive(what);
       if (seconds_since(last_progress) > config_.timeout_s) {
         std::string waiting;

@@ -66,6 +66,8 @@ class Comm {
   void send_message(int peer, ChannelKind kind, const std::string& payload, const std::string& what);
   // Barrier among this host's ranks with liveness checks.
   void host_barrier(const std::string& what);
+  // This rank's doorbell (null without local peers), and ringing it (new local work).
+  Doorbell* own_doorbell() { return segment_ ? &segment_->doorbell(local_rank_) : nullptr; }
   // Raises PeerError if another rank aborted or a local peer died.
   void check_alive(const std::string& what);
   // Marks the job aborted for the local peers and closes remote connections so every rank

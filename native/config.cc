@@ -34,9 +34,10 @@ const std::vector<ConfigVar>& config_table() {
       {"SMDDP_CMA_THRESHOLD", "262144",
        "bytes: intra-host allreduces at or above this size use cross-memory attach when enabled"},
       {"SMDDP_ALGORITHM", "auto", "allreduce algorithm across hosts: auto, ring or hierarchical"},
-      {"SMDDP_SPIN_US", "2000",
-       "microseconds the engine busy-polls for work before it sleeps; lower saves CPU, higher "
-       "saves latency"},
+      {"SMDDP_SPIN_US", "auto",
+       "microseconds a waiting rank keeps yielding the CPU before it sleeps on its futex "
+       "doorbell; auto: 200 when every local rank has a spare core, else 50 (longer spinning would "
+       "steal the core from the training computation)"},
       {"SMDDP_TIMELINE", "",
        "path prefix: each rank writes PREFIX.rank<N>.json, a Chrome trace of negotiation, "
        "queueing, copies and transfers per tensor (open in Perfetto or chrome://tracing)"},
@@ -106,7 +107,7 @@ EngineConfig EngineConfig::from_environment() {
   c.shm_ring_bytes = config_int("SMDDP_SHM_RING_BYTES");
   c.ring_threshold = config_int("SMDDP_RING_THRESHOLD");
   c.algorithm = config_string("SMDDP_ALGORITHM");
-  c.spin_us = config_int("SMDDP_SPIN_US");
+  c.spin_us = config_string("SMDDP_SPIN_US") == "auto" ? -1 : config_int("SMDDP_SPIN_US");
   c.cma = config_string("SMDDP_CMA");
   c.cma_threshold = config_int("SMDDP_CMA_THRESHOLD");
   if (c.cma != "auto" && c.cma != "0" && c.cma != "1")

@@ -33,7 +33,7 @@ struct EngineConfig {
   std::string algorithm;       // auto | ring | hierarchical
   std::string cma;             // auto | 0 | 1: cross-memory attach inside a host
   int64_t cma_threshold;       // intra-host allreduce at or above this size uses it
-  int64_t spin_us;             // busy-poll this long before sleeping when idle
+  int64_t spin_us;             // keep yielding this long before sleeping; -1 = decide (Comm)
   std::string timeline_path;   // chrome-trace file prefix, empty = off
   int log_level;
   double stall_warning_s;      // warn about tensors waiting for missing ranks after this

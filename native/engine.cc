@@ -12,6 +12,7 @@ namespace smddp {
 Engine::Engine(const WorldSpec& spec) : config_(EngineConfig::from_environment()) {
   set_log_identity(spec.rank, config_.log_level);
   comm_ = std::make_unique<Comm>(spec, config_);
+  config_ = comm_->config();  // with the values only the world's shape decides
   rank_ = comm_->rank();
   size_ = comm_->size();
   local_rank_ = comm_->local_rank();
@@ -63,8 +64,13 @@ uint64_t Engine::submit(const std::string& name, const Signature& sig, const voi
   handles_[e->handle] = e;
   incoming_.push_back(e);
   counters_.submitted++;
-  work_cv_.notify_one();
+  wake_engine();
   return e->handle;
+}
+
+void Engine::wake_engine() {
+  work_cv_.notify_one();
+  if (Doorbell* bell = comm_ ? comm_->own_doorbell() : nullptr) ring_doorbell(*bell);
 }
 
 uint64_t Engine::submit_p2p(bool is_send, int peer, int64_t tag, void* buf, size_t bytes) {
@@ -88,7 +94,7 @@ uint64_t Engine::submit_p2p(bool is_send, int peer, int64_t tag, void* buf, size
   handles_[e->handle] = e;
   incoming_.push_back(e);
   counters_.submitted++;
-  work_cv_.notify_one();
+  wake_engine();
   return e->handle;
 }
 
@@ -209,7 +215,10 @@ void Engine::fail_everything(const std::string& message, const std::string& abor
 
 void Engine::loop() {
   auto idle_since = Clock::now();
+  // With every peer on this host, all news (messages, submissions) rings our doorbell.
+  Doorbell* bell = num_hosts() == 1 ? comm_->own_doorbell() : nullptr;
   while (!stop_) {
+    const uint32_t seen = bell ? bell->rings.load(std::memory_order_acquire) : 0;
     bool busy = false;
     try {
       busy = step();
@@ -227,6 +236,9 @@ void Engine::loop() {
     int64_t idle_us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - idle_since).count();
     if (idle_us < config_.spin_us) {
       sched_yield();
+    } else if (bell) {
+      // Time-bounded so stall checks and liveness checks still run.
+      wait_doorbell(*bell, seen, idle_us < 50000 ? 2000 : 20000);
     } else {
       std::unique_lock<std::mutex> lock(mutex_);
       work_cv_.wait_for(lock, std::chrono::microseconds(idle_us < 50000 ? 100 : 1000),
@@ -285,6 +297,7 @@ void Engine::shutdown() {
     shut_down_ = true;
     stop_ = true;
   }
+  wake_engine();
   work_cv_.notify_all();
   completion_cv_.notify_all();
   if (thread_.joinable()) thread_.join();

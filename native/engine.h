@@ -113,6 +113,7 @@ class Engine {
   // Fails every queued operation with `message`; a non-empty `abort_cause` also makes the
   // other ranks fail with it.
   void fail_everything(const std::string& message, const std::string& abort_cause);
+  void wake_engine();  // new work or shutdown: the background thread must look
   void complete(const std::shared_ptr<Entry>& e, const std::string& error);
 
   // Negotiation (engine_negotiation.cc).

@@ -155,19 +155,27 @@ void HostSegment::check_alive(const char* context) {
   }
 }
 
+void HostSegment::ring_all_doorbells() {
+  for (int lr = 0; lr < local_size_; ++lr) ring_doorbell(ctrl_->doorbells[lr]);
+}
+
 void HostSegment::barrier(int64_t spin_us, const std::function<void()>& check) {
   if (local_size_ == 1) return;
   uint32_t gen = ctrl_->barrier_generation.load(std::memory_order_acquire);
   if (ctrl_->barrier_count.fetch_add(1, std::memory_order_acq_rel) + 1 == uint32_t(local_size_)) {
     ctrl_->barrier_count.store(0, std::memory_order_relaxed);
     ctrl_->barrier_generation.fetch_add(1, std::memory_order_release);
+    ring_all_doorbells();
     return;
   }
-  Backoff backoff(spin_us);
+  Doorbell& bell = doorbell(local_rank_);
+  Backoff backoff(spin_us, &bell);
   auto released = [&] { return ctrl_->barrier_generation.load(std::memory_order_acquire) != gen; };
-  while (!released()) {
+  while (true) {
+    uint32_t seen = bell.rings.load(std::memory_order_acquire);
+    if (released()) break;
     // Re-test before the liveness check: a peer may release us and then exit.
-    if (backoff.pause() && !released()) check();
+    if (backoff.pause(seen) && !released()) check();
   }
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "common.h"
+#include "doorbell.h"
 
 namespace smddp {
 
@@ -36,6 +37,7 @@ struct HostControl {
   alignas(64) uint64_t buffer_address[256];
   uint64_t probe_address[256];
   int32_t cma_ok[256];
+  Doorbell doorbells[256];
 };
 
 // Single-producer single-consumer byte ring.
@@ -84,6 +86,9 @@ class HostSegment {
   void raise_abort(const std::string& message);
   // Throws PeerError if the host was aborted or a local peer process is gone.
   void check_alive(const char* context);
+
+  Doorbell& doorbell(int lr) { return ctrl_->doorbells[lr]; }
+  void ring_all_doorbells();
 
   // Barrier among the local ranks. `check` runs periodically while waiting.
   void barrier(int64_t spin_us, const std::function<void()>& check);

@@ -1,6 +1,7 @@
-// How the core waits on shared memory or sockets: spin briefly (latency), then yield (the
-// machine may have fewer cores than processes), then sleep in short steps (CPU). Every
-// waiting loop calls a liveness check at a bounded interval so a dead peer or an abort
+// How the core waits: a few pause instructions (latency), yielding while the spin budget
+// lasts (only worth it when every rank has a spare core), then sleeping: on the caller's
+// doorbell when progress can only come through shared memory, otherwise in short naps.
+// Every waiting loop runs a liveness check at a bounded interval so a dead peer or an abort
 // raised by another rank turns into an error instead of a hang.
 #pragma once
 
@@ -9,15 +10,18 @@
 #include <thread>
 
 #include "common.h"
+#include "doorbell.h"
 
 namespace smddp {
 
 class Backoff {
  public:
-  explicit Backoff(int64_t spin_us) : spin_us_(spin_us), start_(Clock::now()) {}
+  // `bell`: the waiter's doorbell, or null when progress may come from a socket.
+  Backoff(int64_t spin_us, Doorbell* bell) : spin_us_(spin_us), bell_(bell), start_(Clock::now()) {}
 
-  // One step of waiting. Returns true when the caller should run its liveness check.
-  bool pause() {
+  // One step of waiting; `seen` is the doorbell value read before the caller last looked
+  // for progress. Returns true when the caller should run its liveness check.
+  bool pause(uint32_t seen) {
     ++iter_;
     if (iter_ < 64) {
       cpu_relax();
@@ -26,8 +30,10 @@ class Backoff {
     int64_t waited = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start_).count();
     if (waited < spin_us_) {
       sched_yield();
+    } else if (bell_) {
+      wait_doorbell(*bell_, seen, 2000);
     } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(waited < 50000 ? 50 : 500));
+      std::this_thread::sleep_for(std::chrono::microseconds(waited < 50000 ? 20 : 200));
     }
     if (waited - last_check_us_ >= 5000) {
       last_check_us_ = waited;
@@ -36,14 +42,9 @@ class Backoff {
     return false;
   }
 
-  void reset() {
-    iter_ = 0;
-    start_ = Clock::now();
-    last_check_us_ = 0;
-  }
-
  private:
   int64_t spin_us_;
+  Doorbell* bell_;
   Clock::time_point start_;
   int64_t iter_ = 0;
   int64_t last_check_us_ = 0;

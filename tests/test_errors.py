@@ -36,8 +36,8 @@ def test_mismatch_raises_on_every_rank(case, expected, nranks):
         assert "DONE" in r.stdout
 
 
-def test_duplicate_name_in_flight():
-    results = run_world(2, "errors.py", ["duplicate"], env=FAST_TIMEOUT)
+def test_duplicate_name_in_flight(tmp_path):
+    results = run_world(2, "errors.py", ["duplicate"], env=dict(FAST_TIMEOUT, SYNC_DIR=str(tmp_path)))
     assert_all_ok(results)
     assert "submitted again before its previous allreduce completed" in raised(results[0])[0]
     assert all("DONE" in r.stdout for r in results)

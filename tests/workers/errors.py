@@ -33,9 +33,17 @@ def main(case):
     elif case == "root":
         expect_error(lambda: core.broadcast(np.zeros(4, np.float32), root=me % 2, name="w.root"))
     elif case == "duplicate":
-        w = core.allreduce(np.ones(4, np.float32), name="dup", async_op=True)
+        # Rank 1 submits "dup" only after rank 0's second submission, so rank 0's first one
+        # is certainly still in flight then.
+        sync = os.environ["SYNC_DIR"]
         if me == 0:
+            w = core.allreduce(np.ones(4, np.float32), name="dup", async_op=True)
             expect_error(lambda: core.allreduce(np.ones(4, np.float32), name="dup"))
+            open(os.path.join(sync, "second-submitted"), "w").close()
+        else:
+            while not os.path.exists(os.path.join(sync, "second-submitted")):
+                time.sleep(0.01)
+            w = core.allreduce(np.ones(4, np.float32), name="dup", async_op=True)
         w.wait()
         print("RAISED: (rank %d submitted once)" % me if me else "", flush=True)
     elif case == "missing":

@@ -50,6 +50,7 @@ struct Entry {
   std::vector<char> owned_output;
   std::vector<int64_t> result_counts;  // rows received from each rank (allgather/alltoall)
   int64_t submit_us = 0;
+  int64_t announce_us = 0;  // when the engine thread picked it up and announced it
   // Point-to-point fields.
   bool is_p2p = false, is_send = false;
   int peer = -1;

@@ -48,8 +48,12 @@ void Engine::execute(const Response& r) {
     return;
   }
   const int64_t start = now_us();
-  if (timeline_.enabled())
-    for (auto& e : entries) timeline_.span(e->name, "NEGOTIATE", e->submit_us, start);
+  if (timeline_.enabled()) {
+    for (auto& e : entries) {
+      timeline_.span(e->name, "QUEUE", e->submit_us, e->announce_us);
+      timeline_.span(e->name, "NEGOTIATE", e->announce_us, start);
+    }
+  }
   if (r.sig.op == OpType::kAllreduce) {
     execute_allreduce(r, entries);
   } else {

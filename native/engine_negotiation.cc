@@ -40,6 +40,7 @@ bool Engine::announce_new_entries() {
       continue;
     }
     pending_[e->name] = e;
+    e->announce_us = now_us();
     Announcement a;
     a.per_rank = e->per_rank;
     auto cached = cache_by_name_.find(e->name);

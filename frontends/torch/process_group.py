@@ -17,6 +17,7 @@ from typing import List
 
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from smdistributed import _core
 from smdistributed.common.discovery import WorldInfo
@@ -51,6 +52,19 @@ def _group_secret(store, rank: int) -> str:
     return store.get("smddp/secret").decode()
 
 
+def _stall_timeout(timeout) -> float:
+    """Seconds a collective may wait for ranks that have not submitted it; -1: SMDDP_TIMEOUT.
+
+    torch passes its 30-minute default when the caller gave no timeout; a SMDDP_TIMEOUT the
+    user set wins over that default (not over a timeout passed to init_process_group/new_group).
+    """
+    if not timeout:
+        return -1.0
+    if os.environ.get("SMDDP_TIMEOUT") and timeout == default_pg_timeout:
+        return -1.0
+    return timeout.total_seconds()
+
+
 def _reduce_op(opts):
     return core_op(opts.reduceOp) if opts is not None else _core.ReduceOp.SUM
 
@@ -66,7 +80,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         world = WorldInfo(rank=rank, size=size, local_rank=-1, local_size=-1, host=host, store_addr="",
                           store_port=0, secret=_group_secret(store, rank), launcher="torch")
         self._core = Core(world, rendezvous=store, advertise_addr=_advertise_address(),
-                          stall_timeout=timeout.total_seconds() if timeout else -1.0)
+                          stall_timeout=_stall_timeout(timeout))
         self._engine = self._core._engine
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
@@ -78,6 +92,16 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def name(self) -> str:
         return "smddp"
+
+    # torch keeps a group's name in the backends it registers on a ProcessGroup; this group is
+    # its own backend (none registered), so C++'s getter would fail ("ProcessGroup name not
+    # set"), breaking destroy_process_group(subgroup) and lookups by name.
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        return getattr(self, "_group_name", "")
 
     def _completions(self) -> CompletionThread:
         if self._completion_thread is None:
@@ -272,9 +296,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         raise RuntimeError("smddp: recv without a source rank (recv_anysource) is not supported; pass src=")
 
     def shutdown(self):
+        # The engine first: it fails what is still pending, and the completion thread hands
+        # those failures to their futures before it stops.
+        self._core.shutdown()
         if self._completion_thread is not None:
             self._completion_thread.stop()
-        self._core.shutdown()
 
     def abort(self):
         self.shutdown()

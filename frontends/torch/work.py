@@ -7,12 +7,26 @@ without anyone calling wait().
 """
 from __future__ import annotations
 
+import atexit
 import threading
 import weakref
 from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+
+
+_running = set()  # CompletionThreads not yet stopped
+
+
+@atexit.register
+def _stop_all() -> None:
+    # A daemon thread still inside the engine when the interpreter finalizes is ended by
+    # pthread_exit as it takes the GIL back, which unwinds through pybind11's noexcept frames
+    # and aborts the process ("terminate called without an active exception"). Scripts that
+    # never call destroy_process_group() would all end that way.
+    for t in list(_running):
+        t.stop()
 
 
 class CompletionThread:
@@ -24,6 +38,7 @@ class CompletionThread:
         self._lock = threading.Lock()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="smddp-completions", daemon=True)
+        _running.add(self)
         self._thread.start()
 
     def watch(self, work: "SmddpWork", handle: int) -> None:
@@ -32,13 +47,20 @@ class CompletionThread:
         self._engine.watch(handle)
 
     def stop(self) -> None:
+        """Ends the thread once it has handed out what already completed (joined, unless called
+        from a future's callback on the thread itself)."""
         self._stop = True
+        _running.discard(self)
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop:
+        while True:
             try:
                 done = self._engine.next_completions(0.2)
             except Exception:  # engine shut down
+                return
+            if self._stop and not done:
                 return
             for handle in done:
                 with self._lock:
@@ -75,9 +97,12 @@ class SmddpWork(dist.Work):
                 self._error = RuntimeError(str(e))
 
     def _finalize(self) -> None:
-        if self._error is None and self._finish is not None:
+        # The copy into the caller's tensors runs once: a later get_future() must not redo it
+        # over whatever the caller has written there since.
+        finish, self._finish = self._finish, None
+        if self._error is None and finish is not None:
             try:
-                self._finish()
+                finish()
             except Exception as e:
                 self._error = e
         self._done = True
@@ -111,7 +136,14 @@ class SmddpWork(dist.Work):
         with self._lock:
             if self._done:
                 return True
-            return all(self._engine.poll(h) for h in self._pending)
+            if not all(self._engine.poll(h) for h in self._pending):
+                return False
+            # Done in the engine: copy the results out now, so that a caller who polls and then
+            # reads its tensors (without wait()) finds them there.
+            while self._pending:
+                self._complete_handle(self._pending.pop(0))
+            self._finalize()
+            return True
 
     def is_success(self) -> bool:
         return self.is_completed() and self._error is None

@@ -1,15 +1,17 @@
 """Every torch.distributed collective x dtype on the smddp backend, against a single-process result.
 
-Each collective also runs once with async_op=True completed through Work.wait() and once
-completed only through get_future() (as DDP's communication hooks do), plus non-contiguous
+Each collective also runs with async_op=True completed through Work.wait(), only through
+get_future() (as DDP's communication hooks do), and by polling is_completed(); non-contiguous
 tensors, a tensor on another device and unsupported dtypes. Prints "CHECKED <what> <count>"
 per family and "TORCH COLLECTIVES OK world=<P>" at the end.
 """
+import time
+
 import torch
 import torch.distributed as dist
-from torch_common import DTYPES, FLOATS, OPS, assert_same, expect_raises, make_input, reduce_reference
+from torch_common import DTYPES, OPS, assert_same, expect_raises, make_input, reduce_reference
 
-MODES = ["sync", "wait", "future"]
+ASYNC_MODES = ["wait", "future", "poll"]
 SHAPES = [(0,), (1,), (7,), (1001,), (3, 5)]
 _seed = [0]
 
@@ -37,6 +39,11 @@ def complete(work, mode):
         fut.wait()
         assert fut.done()
         assert fut.then(lambda f: "chained").wait() == "chained"
+    elif mode == "poll":
+        # Polled until done, then read without wait(): the results must be in place.
+        while not work.is_completed():
+            time.sleep(0.001)
+        assert work.is_success()
     else:
         # Only through the future: the results must be in place when it completes, without wait().
         fut = work.get_future()
@@ -193,9 +200,8 @@ def check_send_recv(P, me, dtype, blocking):
         # posted (as with NCCL), so the tags come in the same order on both sides.
         recvs = [dist.irecv(got[k], src=prv, tag=k) for k in (0, 1)]
         sends = [dist.isend(msgs[me][k].clone(), dst=nxt, tag=k) for k in (0, 1)]
-        for w in sends + recvs:
-            w.wait()
-            assert w.is_completed()
+        for i, w in enumerate(sends + recvs):
+            complete(w, ASYNC_MODES[i % len(ASYNC_MODES)])
     for k in range(2):
         assert_same(got[k], msgs[prv][k], f"{'send/recv' if blocking else 'isend/irecv'} {dtype} tag {k}")
 
@@ -214,6 +220,7 @@ def check_barrier(P, me):
     dist.barrier()
     complete(dist.barrier(async_op=True), "wait")
     complete(dist.barrier(async_op=True), "future")
+    complete(dist.barrier(async_op=True), "poll")
 
 
 def check_non_contiguous(P, me):
@@ -242,6 +249,24 @@ def check_non_contiguous(P, me):
         want = bases[me].clone()
         want[1:3, ::3] = bases[root][1:3, ::3]
         assert_same(base, want, f"broadcast of a strided slice root={root}")
+    # Polled to completion, the strided result is already in place.
+    base = bases[me].clone()
+    complete(dist.all_reduce(base.t(), async_op=True), "poll")
+    assert_same(base, reduce_reference(torch.float32, "SUM", bases), "polled all_reduce of a transposed view")
+    # The copy back into a strided tensor happens once: asking for the future after wait()
+    # must not overwrite what the caller wrote since.
+    base = bases[me].clone()
+    work = dist.all_reduce(base.t(), async_op=True)
+    work.wait()
+    base.fill_(-1)
+    work.get_future().wait()
+    assert torch.equal(base, torch.full_like(base, -1)), "get_future() after wait() rewrote the tensor"
+    outs = [torch.zeros(3) for _ in range(P)]
+    work = dist.all_gather(outs, torch.full((3,), float(me)), async_op=True)
+    work.wait()
+    outs[0].fill_(-1)
+    work.get_future().then(lambda f: None).wait()
+    assert torch.equal(outs[0], torch.full((3,), -1.0)), "get_future() after wait() rewrote all_gather's output"
     # A received message lands in a non-contiguous view too.
     base = torch.zeros(3, 4)
     if me == 0:
@@ -249,6 +274,71 @@ def check_non_contiguous(P, me):
     elif me == P - 1:
         dist.recv(base.t(), src=0)
         assert_same(base.t(), torch.arange(12.0).reshape(4, 3), "recv into a transposed view")
+
+
+def scribble():
+    """Allocates and fills tensors of many sizes, reusing whatever memory was just freed."""
+    return [torch.full((n,), 99.0) for n in (3, 5, 6, 7, 9, 12, 15, 18, 256, 300_000) for _ in range(4)]
+
+
+def check_inputs_outlive_async_calls(P, me):
+    """A temporary input handed to an async collective must stay valid until it completes.
+
+    Rank 0 submits, drops its input and overwrites freed memory, and only then lets the other
+    ranks submit (told through the c10d store, outside the group), so the collective cannot
+    have read rank 0's input before it was dropped.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    n = 300_000  # large enough that freeing it may return it to the system
+    inputs = [torch.arange(n, dtype=torch.float32) * (r + 1) for r in range(P)]
+    cases = {
+        "all_gather": lambda x: ([torch.zeros(n) for _ in range(P)],
+                                 lambda outs, x=x: dist.all_gather(outs, x, async_op=True)),
+        "all_gather_into_tensor": lambda x: (torch.zeros(P * n),
+                                             lambda out, x=x: dist.all_gather_into_tensor(out, x, async_op=True)),
+        "all_to_all_single": lambda x: (torch.zeros(n), lambda out, x=x: dist.all_to_all_single(out, x, async_op=True)),
+        "all_to_all": lambda x: ([torch.zeros(n // P) for _ in range(P)],
+                                 lambda outs, x=x: dist.all_to_all(outs, list(x.chunk(P)), async_op=True)),
+        "gather": lambda x: ([torch.zeros(n) for _ in range(P)] if me == 0 else None,
+                             lambda outs, x=x: dist.gather(x, gather_list=outs, dst=0, async_op=True)),
+        "reduce_scatter_tensor": lambda x: (torch.zeros(n // P),
+                                            lambda out, x=x: dist.reduce_scatter_tensor(out, x, async_op=True)),
+    }
+    for what, make in cases.items():
+        n_used = n - n % P
+        out, call = make(inputs[me][:n_used].clone())
+        key = f"test/dropped/{what}"
+        if me == 0:
+            work = call(out)
+            call = make = None  # the last references to the input
+            junk = scribble()
+            store.set(key, "1")
+            del junk
+        else:
+            store.get(key)  # blocks until rank 0 has set it
+            work = call(out)
+        work.wait()
+        if what == "all_gather":
+            for r in range(P):
+                assert_same(out[r], inputs[r][:n_used], f"{what} of a dropped input, part {r}")
+        elif what == "all_gather_into_tensor":
+            assert_same(out, torch.cat([inputs[r][:n_used] for r in range(P)]), f"{what} of a dropped input")
+        elif what == "all_to_all_single":
+            k = n_used // P
+            want = torch.cat([inputs[r][me * k:(me + 1) * k] for r in range(P)])
+            assert_same(out, want, f"{what} of a dropped input")
+        elif what == "all_to_all":
+            k = n_used // P
+            for r in range(P):
+                assert_same(out[r], inputs[r][me * k:(me + 1) * k], f"{what} of a dropped input, from {r}")
+        elif what == "gather":
+            if me == 0:
+                for r in range(P):
+                    assert_same(out[r], inputs[r][:n_used], f"{what} of a dropped input, part {r}")
+        else:
+            k = n_used // P
+            want = sum(inputs[r][me * k:(me + 1) * k] for r in range(P))
+            assert_same(out, want, f"{what} of a dropped input")
 
 
 def check_bad_input(P, me):
@@ -291,7 +381,8 @@ def main():
             for shape in SHAPES:
                 check_all_reduce(P, me, dtype, op, shape, "sync")
                 n += 1
-    for mode, dtype in (("wait", torch.float32), ("future", torch.int64), ("future", torch.bfloat16)):
+    for mode, dtype in (("wait", torch.float32), ("future", torch.int64), ("future", torch.bfloat16),
+                        ("poll", torch.uint8)):
         check_all_reduce(P, me, dtype, "SUM", (33,), mode)
         n += 1
     print("CHECKED all_reduce", n, flush=True)
@@ -302,7 +393,7 @@ def main():
             for shape in [(1,), (1001,), (2, 3)]:
                 check_broadcast(P, me, dtype, root, shape, "sync")
                 n += 1
-    for mode in ("wait", "future"):
+    for mode in ASYNC_MODES:
         check_broadcast(P, me, torch.float64, P - 1, (9,), mode)
         n += 1
     print("CHECKED broadcast", n, flush=True)
@@ -313,7 +404,7 @@ def main():
             for root in range(P):
                 check_reduce(P, me, dtype, op, root, (7,), "sync")
                 n += 1
-    for mode in ("wait", "future"):
+    for mode in ASYNC_MODES:
         check_reduce(P, me, torch.float32, "SUM", 1, (1001,), mode)
         n += 1
     print("CHECKED reduce", n, flush=True)
@@ -325,7 +416,7 @@ def main():
             check_all_gather_into_tensor(P, me, dtype, shape, False, "sync")
             check_all_gather_into_tensor(P, me, dtype, shape, True, "sync")
             n += 3
-    for mode in ("wait", "future"):
+    for mode in ASYNC_MODES:
         check_all_gather(P, me, torch.float16, (5,), mode)
         check_all_gather_into_tensor(P, me, torch.int32, (5,), False, mode)
         n += 2
@@ -338,7 +429,7 @@ def main():
             check_reduce_scatter_list(P, me, dtype, op, (2, 3), "sync")
             n += 2
     check_reduce_scatter_tensor(P, me, torch.float32, "SUM", 1001, "sync")
-    for mode in ("wait", "future"):
+    for mode in ASYNC_MODES:
         check_reduce_scatter_tensor(P, me, torch.float32, "AVG", 4, mode)
         check_reduce_scatter_list(P, me, torch.int64, "SUM", (3,), mode)
         n += 2
@@ -351,7 +442,7 @@ def main():
             n += 1
         check_all_to_all_list(P, me, dtype, "sync")
         n += 1
-    for mode in ("wait", "future"):
+    for mode in ASYNC_MODES:
         check_all_to_all_single(P, me, torch.float32, True, mode)
         check_all_to_all_list(P, me, torch.uint8, mode)
         n += 2
@@ -363,7 +454,7 @@ def main():
             check_gather(P, me, dtype, root, "sync")
             check_scatter(P, me, dtype, root, "sync")
             n += 2
-    for mode in ("wait", "future"):
+    for mode in ASYNC_MODES:
         check_gather(P, me, torch.float32, P - 1, mode)
         check_scatter(P, me, torch.int8, P - 1, mode)
         n += 2
@@ -379,8 +470,9 @@ def main():
 
     check_barrier(P, me)
     check_non_contiguous(P, me)
+    check_inputs_outlive_async_calls(P, me)
     check_bad_input(P, me)
-    print("CHECKED barrier, non-contiguous, bad input", flush=True)
+    print("CHECKED barrier, non-contiguous, inputs kept alive, bad input", flush=True)
 
     dist.barrier()
     dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""The "smddp" torch.distributed backend: every collective x dtype against a single-process
+computation, bad input and disagreeing ranks, sub-groups and a gloo group beside it."""
+import pytest
+
+pytest.importorskip("torch")
+
+from world import assert_all_ok, run_world  # noqa: E402
+
+FAST_TIMEOUT = {"SMDDP_TIMEOUT": "5"}
+
+
+def raised(result):
+    return [l[len("RAISED: "):] for l in result.stdout.splitlines() if l.startswith("RAISED: ")]
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_every_collective_and_dtype(nranks):
+    """all_reduce (every op), broadcast (every root), reduce, all_gather (list and tensor),
+    reduce_scatter (list and tensor), all_to_all (single, even and uneven, and list), gather,
+    scatter, send/recv, isend/irecv, batch_isend_irecv and barrier over every supported dtype;
+    async_op=True through wait(), through get_future()/then() and by polling is_completed();
+    non-contiguous tensors (results copied back once); inputs dropped while an async call is in
+    flight; a tensor on another device and unsupported dtypes."""
+    results = run_world(nranks, "torch_collectives.py", env=FAST_TIMEOUT)
+    assert_all_ok(results)
+    for r in results:
+        assert f"TORCH COLLECTIVES OK world={nranks}" in r.stdout, r.output
+        assert "terminate called" not in r.output, r.output
+
+
+@pytest.mark.parametrize(
+    "case, nranks, expected",
+    [
+        ("shape", 2, ["disagree on the shape", "rank 0 has [4]", "rank 1 has [5]"]),
+        ("shape", 3, ["disagree on the shape", "rank 0 has [4]", "rank 1 has [5]", "rank 2 has [6]"]),
+        ("dtype", 2, ["disagree on the dtype", "rank 0 has float32", "rank 1 has float64"]),
+    ],
+    ids=["shape-2", "shape-3", "dtype-2"],
+)
+def test_disagreeing_ranks_raise_on_every_rank(case, nranks, expected):
+    """Rank 0 all-reduces 4 elements, rank 1 five (rank 2 six): every rank raises (synchronously,
+    through the future and through wait()) instead of hanging, and the group still works
+    afterwards. The worker never calls destroy_process_group(), and must still exit cleanly."""
+    results = run_world(nranks, "torch_errors.py", [case], env=FAST_TIMEOUT, timeout=120)
+    assert_all_ok(results)
+    for r in results:
+        msgs = raised(r)
+        assert len(msgs) == (3 if case == "shape" else 1), r.output
+        for msg in msgs:
+            assert all(fragment in msg for fragment in expected), msg
+        assert "DONE" in r.stdout
+        assert "terminate called" not in r.output, r.output
+
+
+@pytest.mark.parametrize("case, env", [("missing", {"SMDDP_TIMEOUT": "3"}), ("missing_explicit_timeout", {})],
+                         ids=["SMDDP_TIMEOUT", "new_group-timeout"])
+def test_missing_rank_times_out(tmp_path, case, env):
+    """A rank that never joins a collective is named after SMDDP_TIMEOUT (which wins over torch's
+    default timeout), or after the timeout given to new_group() (which wins over SMDDP_TIMEOUT;
+    the world group then still works)."""
+    results = run_world(3, "torch_errors.py", [case, str(tmp_path)], env=env, timeout=120)
+    assert_all_ok(results)
+    for r in results[:2]:
+        msg = raised(r)[0]
+        assert "submitted by rank(s) 0, 1 but rank(s) 2 did not submit it within 3 s" in msg, msg
+
+
+def test_subgroups_and_gloo_beside_smddp():
+    """new_group([0, 1]) and new_group([1, 2]) on 3 ranks: correct inside, NON_GROUP_MEMBER
+    outside, overlapping groups in flight together, functional collectives by group name,
+    destroying a sub-group; and a gloo group working beside the smddp world."""
+    results = run_world(3, "torch_groups.py", env=FAST_TIMEOUT)
+    assert_all_ok(results)
+    assert all("GROUPS OK" in r.stdout for r in results)

@@ -12,6 +12,8 @@
 namespace smddp {
 
 enum ChannelKind : int { kDataChannel = 0, kControlChannel = 1, kP2PChannel = 2, kNumChannelKinds = 3 };
+// Every kind needs its own rings in the host segment, or two channels would share one.
+static_assert(kNumChannelKinds == HostSegment::kChannelKinds, "host segment lays out one ring per channel kind");
 
 class Channel {
  public:

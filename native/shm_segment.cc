@@ -129,6 +129,9 @@ char* HostSegment::slot(int slot_set, int lr) {
 }
 
 ShmRing HostSegment::ring(int from, int to, int kind) {
+  if (kind < 0 || kind >= kChannelKinds || from < 0 || from >= local_size_ || to < 0 || to >= local_size_)
+    throw Error("internal: no shared-memory ring " + std::to_string(from) + "->" + std::to_string(to) + " kind " +
+                std::to_string(kind));
   size_t ring_unit = round_up(sizeof(RingHeader), 64) + ring_bytes_;
   size_t index = (size_t(from) * local_size_ + to) * kChannelKinds + kind;
   char* unit = rings_ + index * ring_unit;

@@ -62,7 +62,7 @@ class ShmRing {
 class HostSegment {
  public:
   static constexpr int kMaxLocalRanks = 256;
-  static constexpr int kChannelKinds = 2;  // 0 = data, 1 = control
+  static constexpr int kChannelKinds = 3;  // data, control, point-to-point (see channel.h)
 
   HostSegment(const std::string& name, int local_rank, int local_size, int global_rank, size_t slot_bytes,
               size_t ring_bytes, bool create);

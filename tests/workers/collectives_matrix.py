@@ -116,6 +116,21 @@ def check_p2p_and_barrier(core, P, me):
     send.wait()
     assert np.array_equal(got, np.arange(n, dtype=np.float64) + left), "send/recv ring"
     core.barrier()
+    # Point-to-point messages interleaved with large collectives in flight: every channel
+    # kind has its own rings, so neither stream can corrupt the other.
+    x = np.arange(n, dtype=np.float32) * (me + 1)
+    for i in range(10):
+        token = np.full(1, i, np.float32)
+        if me == 0:
+            w = core.allgather(x, name=f"p2p-mix.{i}", async_op=True)
+            for r in range(1, P):
+                core.send(token, r, tag=i)
+        else:
+            core.recv(token, 0, tag=i)
+            assert token[0] == i
+            w = core.allgather(x, name=f"p2p-mix.{i}", async_op=True)
+        got = w.wait()
+        assert np.array_equal(got, np.concatenate([np.arange(n, dtype=np.float32) * (r + 1) for r in range(P)]))
 
 
 def check_async(core, P, me):

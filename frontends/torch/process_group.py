@@ -189,10 +189,14 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)]
+    def _coalesced(self, single, outputs, inputs, opts):
+        # All submitted before any wait, so the engine can run them back to back; one Work.
+        works = [single(o, i, opts) for o, i in zip(outputs, inputs)]
         return SmddpWork(self, [h for w in works for h in w._pending], outputs,
                          self._chain(*[w._finish for w in works]), keep=[w._keep for w in works])
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesced(self.all_gather_single, outputs, inputs, opts)
 
     def reduce_scatter(self, output_tensors: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
                        opts=None):
@@ -219,9 +223,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)]
-        return SmddpWork(self, [h for w in works for h in w._pending], outputs,
-                         self._chain(*[w._finish for w in works]), keep=[w._keep for w in works])
+        return self._coalesced(self.reduce_scatter_single, outputs, inputs, opts)
 
     def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes, input_split_sizes,
                           opts=None):

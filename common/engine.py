@@ -8,6 +8,7 @@ collective logic of its own.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import threading
 from typing import Optional, Sequence, Union
@@ -169,6 +170,16 @@ class Core:
 
     def store_refused_connections(self) -> int:
         return self._engine.store_refused_connections()
+
+    @contextlib.contextmanager
+    def batch(self):
+        """Operations submitted inside reach the engine together: one announcement, and
+        (once every rank's batch is in) fused transfers, like Horovod's grouped_allreduce."""
+        self._engine.begin_batch()
+        try:
+            yield
+        finally:
+            self._engine.end_batch()
 
     def _auto_name(self, kind: str, name: Optional[str]) -> str:
         # Unnamed operations are matched across ranks by call order, like torch.distributed.

@@ -158,6 +158,8 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("release", &Engine::release)
       .def("watch", &Engine::watch)
+      .def("begin_batch", &Engine::begin_batch)
+      .def("end_batch", &Engine::end_batch)
       .def_property("fusion_threshold", &Engine::fusion_threshold, &Engine::set_fusion_threshold)
       .def("next_completions", &Engine::next_completions, py::arg("timeout"),
            py::call_guard<py::gil_scoped_release>())

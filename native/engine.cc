@@ -68,6 +68,20 @@ uint64_t Engine::submit(const std::string& name, const Signature& sig, const voi
   return e->handle;
 }
 
+void Engine::begin_batch() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++batch_depth_;
+}
+
+void Engine::end_batch() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (batch_depth_ == 0) throw Error("end_batch() without begin_batch()");
+    if (--batch_depth_ > 0) return;
+  }
+  wake_engine();
+}
+
 void Engine::wake_engine() {
   work_cv_.notify_one();
   if (Doorbell* bell = comm_ ? comm_->own_doorbell() : nullptr) ring_doorbell(*bell);

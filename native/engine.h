@@ -87,6 +87,10 @@ class Engine {
   uint64_t submit(const std::string& name, const Signature& sig, const void* in, void* out, size_t count,
                   size_t out_capacity, const std::vector<int64_t>& per_rank);
   uint64_t submit_p2p(bool is_send, int peer, int64_t tag, void* buf, size_t bytes);
+  // Operations submitted between begin_batch() and end_batch() reach the engine together,
+  // so they are announced in one message and, once every rank's batch is in, fused.
+  void begin_batch();
+  void end_batch();
 
   // Blocks until done; throws Error with the failure's message. Releases the entry unless it
   // succeeded and `keep` asks to read its results first (then call release()).
@@ -153,6 +157,7 @@ class Engine {
   double stall_timeout_s_ = 0;
   std::atomic<int64_t> fusion_bytes_{0};
   std::deque<std::shared_ptr<Entry>> incoming_;
+  int batch_depth_ = 0;  // >0: incoming_ is held back (guarded by mutex_)
   std::unordered_map<uint64_t, std::shared_ptr<Entry>> handles_;
   std::string abort_message_;
   uint64_t next_handle_ = 1;

@@ -29,6 +29,7 @@ bool Engine::announce_new_entries() {
   std::deque<std::shared_ptr<Entry>> fresh;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (batch_depth_ > 0) return false;
     fresh.swap(incoming_);
   }
   if (fresh.empty()) return false;

@@ -1,8 +1,11 @@
 """50 named tensors submitted in a different shuffled order on each rank, for several steps.
 
-Checks results against numpy and prints the engine counters as JSON so the test can see
-fusion (several tensors per response) and the response cache (later steps announce by id).
+Mode "batch" submits each step's tensors as one batch (core.batch()), so every rank
+announces them in one message and they become ready together: fusion and the cache's
+effect on negotiation are then deterministic and the counters (printed as JSON) can be
+checked exactly. Mode "stream" submits them one by one: only correctness is checked.
 """
+import contextlib
 import json
 import sys
 
@@ -14,7 +17,7 @@ N_TENSORS = 50
 STEPS = 3
 
 
-def main():
+def main(mode):
     core = engine.init()
     P, me = core.size, core.rank
     rng = np.random.default_rng(1234 + me)  # each rank its own order
@@ -25,9 +28,10 @@ def main():
         before = core.counters()
         arrays = {}
         works = []
-        for i in order:
-            arrays[i] = np.full(sizes[i], float(me + i + step), dtype=np.float32)
-            works.append(core.allreduce(arrays[i], name=f"grad.{i}", async_op=True))
+        with core.batch() if mode == "batch" else contextlib.nullcontext():
+            for i in order:
+                arrays[i] = np.full(sizes[i], float(me + i + step), dtype=np.float32)
+                works.append(core.allreduce(arrays[i], name=f"grad.{i}", async_op=True))
         for w in works:
             w.wait()
         for i in range(N_TENSORS):
@@ -40,4 +44,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1]))

@@ -13,7 +13,7 @@ def test_legacy_functions(nranks):
     assert all("LEGACY API OK" in r.stdout for r in results)
 
 
-@pytest.mark.parametrize("case", ["ddp", "ddp-nosync", "ddp-unused"])
+@pytest.mark.parametrize("case", ["ddp", "ddp-nosync", "ddp-unused", "ddp-buffers"])
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_legacy_ddp_matches_single_process(case, nranks):
     results = run_world(nranks, "torch_legacy.py", [case])

@@ -105,6 +105,29 @@ def check_ddp(micro_steps: int, unused: bool):
     print("LEGACY DDP OK", flush=True)
 
 
+def check_buffers():
+    """broadcast_buffers=True: every forward starts from rank 0's buffers (BatchNorm stats)."""
+    torch.manual_seed(me)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    for step in range(3):
+        x = torch.randn(8, 6) * (me + 1)  # per-rank data: local batch statistics differ
+        opt.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+        model.eval()  # an eval forward broadcasts buffers and leaves them as they arrive
+        ddp(x)
+        model.train()
+        for name, buf in model.named_buffers():
+            if not buf.is_floating_point():
+                continue
+            gathered = [torch.empty_like(buf) for _ in range(P)]
+            torch.distributed.all_gather(gathered, buf)
+            assert all(torch.equal(gathered[0], g) for g in gathered), (step, name)
+    print("LEGACY DDP OK", flush=True)
+
+
 if CASE == "api":
     check_api()
 elif CASE == "ddp":
@@ -113,3 +136,5 @@ elif CASE == "ddp-nosync":
     check_ddp(2, False)
 elif CASE == "ddp-unused":
     check_ddp(1, True)
+elif CASE == "ddp-buffers":
+    check_buffers()

@@ -19,8 +19,12 @@ void allreduce(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op,
 // AVERAGE divides by `divisor`.
 void allreduce_shm(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op, int divisor);
 
-// Intra-host allreduce reading peers' buffers directly (cross-memory attach must be enabled).
+// Intra-host collectives reading peers' buffers directly (cross-memory attach must be
+// enabled, and every rank on this one host).
 void allreduce_cma(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op, int divisor);
+void reduce_scatter_cma(Comm& comm, const void* in, void* out, const std::vector<int64_t>& counts, DType dtype,
+                        ReduceOp op);
+void allgather_cma(Comm& comm, const void* send, void* recv, const std::vector<int64_t>& recv_bytes);
 
 // Ring allreduce among `ranks` (which must contain this rank) over data channels.
 // AVERAGE sums along the ring and divides by `divisor` at the end.

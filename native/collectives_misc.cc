@@ -10,6 +10,12 @@
 namespace smddp {
 
 namespace {
+// One host, peers' memory readable, and big enough that syscalls do not dominate.
+bool use_cma(Comm& comm, size_t bytes) {
+  return comm.size() > 1 && comm.num_hosts() == 1 && comm.cma_enabled() &&
+         int64_t(bytes) >= comm.config().cma_threshold;
+}
+
 // Position of global `rank` among the ranks of its host.
 int local_index(Comm& comm, int rank) {
   const auto& rs = comm.host_ranks(comm.host_of(rank));
@@ -54,6 +60,7 @@ void allgatherv(Comm& comm, const void* send, void* recv, const std::vector<int6
   std::vector<size_t> offset(P + 1, 0);
   for (int r = 0; r < P; ++r) offset[r + 1] = offset[r] + size_t(recv_bytes[r]);
   char* out = static_cast<char*>(recv);
+  if (use_cma(comm, offset[P])) return allgather_cma(comm, send, recv, recv_bytes);
   if (out + offset[me] != send) std::memmove(out + offset[me], send, size_t(recv_bytes[me]));
   if (P == 1) return;
   // Ring: at step s pass along the block that originated s ranks to the left.
@@ -70,14 +77,15 @@ void allgatherv(Comm& comm, const void* send, void* recv, const std::vector<int6
 
 void reduce_scatter(Comm& comm, const void* in, void* out, const std::vector<int64_t>& counts, DType dtype,
                     ReduceOp op) {
-  // Full allreduce on a scratch copy, then keep this rank's block. Simple and correct; a
-  // dedicated reduce-scatter would move (P-1)/P of the bytes instead of 2(P-1)/P.
   const size_t es = dtype_size(dtype);
   size_t total = 0, mine = 0;
   for (int r = 0; r < comm.size(); ++r) {
     if (r == comm.rank()) mine = total;
     total += size_t(counts[r]);
   }
+  if (use_cma(comm, total * es)) return reduce_scatter_cma(comm, in, out, counts, dtype, op);
+  // Otherwise a full allreduce on a scratch copy, keeping this rank's block: correct, but it
+  // moves 2(P-1)/P of the bytes where a dedicated reduce-scatter would move (P-1)/P.
   std::vector<char> scratch(static_cast<const char*>(in), static_cast<const char*>(in) + total * es);
   allreduce(comm, scratch.data(), total, dtype, op);
   std::memcpy(out, scratch.data() + mine * es, size_t(counts[comm.rank()]) * es);

@@ -26,8 +26,12 @@ ext = Pybind11Extension(
     native_sources,
     cxx_std=17,
     extra_compile_args=compile_args,
+    # Some toolchains (the CUDA image's /opt/gcc wrapper) link libstdc++ statically. Its
+    # symbols must stay private to this module: exported, some of them resolve to another
+    # libstdc++ already in the process and iostreams crash. Export only PyInit__core.
+    extra_link_args=["-Wl,--version-script=" + os.path.join("native", "exports.map")],
     libraries=["rt"],
-    depends=[os.path.join("native", f) for f in os.listdir("native") if f.endswith(".h")],
+    depends=[os.path.join("native", f) for f in os.listdir("native") if f.endswith((".h", ".map"))],
 )
 
 setup(

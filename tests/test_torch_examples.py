@@ -19,7 +19,7 @@ HANG_GUARD_S = 300
 
 def run(cmd, cwd):
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=HANG_GUARD_S,
-                          env=dict(os.environ, SMDDP_TIMEOUT="30"))
+                          env=dict(os.environ, SMDDP_TIMEOUT="30", CUDA_VISIBLE_DEVICES=""))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout + proc.stderr
 

@@ -63,6 +63,8 @@ def run_world(
         e.setdefault("SMDDP_TIMEOUT", "20")
         if not e["SMDDP_HOST"]:
             del e["SMDDP_HOST"]
+        # These worlds test the CPU path; a GPU on the machine must not pull tensors onto it.
+        e["CUDA_VISIBLE_DEVICES"] = ""
         e.update(env or {})
         e.update((per_rank_env or {}).get(rank, {}))
         procs.append(subprocess.Popen([sys.executable, str(WORKERS / worker), *args], env=e,

@@ -69,6 +69,8 @@ def test_subgroups_and_gloo_beside_smddp():
     """new_group([0, 1]) and new_group([1, 2]) on 3 ranks: correct inside, NON_GROUP_MEMBER
     outside, overlapping groups in flight together, functional collectives by group name,
     destroying a sub-group; and a gloo group working beside the smddp world."""
-    results = run_world(3, "torch_groups.py", env=FAST_TIMEOUT)
+    # No failure is expected here, so no short timeout: a rank outside a sub-group waits in
+    # the next world collective for as long as the members take (slow on a loaded machine).
+    results = run_world(3, "torch_groups.py")
     assert_all_ok(results)
     assert all("GROUPS OK" in r.stdout for r in results)

@@ -58,7 +58,6 @@ struct Entry {
   size_t p2p_done = 0;
   int64_t p2p_header[2] = {0, 0};
   size_t p2p_header_done = 0;
-  bool p2p_discarding = false;
   // Completion.
   bool notify = false;  // report through next_completions()
   bool done = false;
@@ -142,6 +141,10 @@ class Engine {
 
   // Point-to-point (engine_p2p.cc).
   bool progress_p2p();
+  bool progress_sends(int peer, std::deque<std::shared_ptr<Entry>>& queue);
+  bool progress_receives(int peer, std::deque<std::shared_ptr<Entry>>& posted);
+  // Completes a posted receive from a message that arrived before it (false if none matches).
+  bool match_unexpected(int peer, const std::shared_ptr<Entry>& recv);
 
   EngineConfig config_;
   int rank_ = 0, size_ = 1, local_rank_ = 0, local_size_ = 1, num_hosts_ = 1, host_index_ = 0;
@@ -176,6 +179,18 @@ class Engine {
   std::vector<CacheEntry> cache_;  // index = id
   std::vector<char> fusion_buffer_;
   std::map<int, std::deque<std::shared_ptr<Entry>>> p2p_sends_, p2p_recvs_;
+  // Receive side, per peer: the message being read (header, then payload into a posted
+  // receive with its tag, or into a buffer when none is posted yet), and messages that
+  // arrived before a receive for their tag was posted, in arrival order.
+  struct IncomingMessage {
+    int64_t header[2] = {0, 0};  // tag, bytes
+    size_t header_done = 0;
+    std::shared_ptr<Entry> target;  // null: buffered as unexpected
+    std::vector<char> buffer;
+    size_t payload_done = 0;
+  };
+  std::map<int, IncomingMessage> p2p_incoming_;
+  std::map<int, std::deque<std::pair<int64_t, std::vector<char>>>> p2p_unexpected_;
   int64_t last_p2p_progress_us_ = 0;
 
   // Coordinator state (rank 0).

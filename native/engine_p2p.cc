@@ -1,77 +1,134 @@
-// Point-to-point send/recv on the dedicated p2p channel of each peer pair. Each message is
-// a 16-byte header (tag, bytes) and the payload; messages from one peer are matched to
-// receives in order. Progress is non-blocking, interleaved with collectives by the loop.
+// Point-to-point send/recv on the dedicated p2p channel of each peer pair. A message is a
+// 16-byte header (tag, bytes) and its payload. Sends to a peer go out in order; a message
+// goes to the earliest posted receive from that peer with the same tag, and one that
+// arrives before any such receive is buffered until it is posted (as Gloo and MPI match by
+// tag). Progress is non-blocking, interleaved with collectives by the engine loop.
+#include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "engine.h"
 
 namespace smddp {
 
+namespace {
+std::string size_mismatch(const Entry& e, int64_t bytes) {
+  return "recv from rank " + std::to_string(e.peer) + " with tag " + std::to_string(e.tag) + " expected " +
+         std::to_string(e.count) + " bytes, but rank " + std::to_string(e.peer) + " sent " + std::to_string(bytes);
+}
+}  // namespace
+
+bool Engine::progress_sends(int peer, std::deque<std::shared_ptr<Entry>>& queue) {
+  bool busy = false;
+  Channel* ch = comm_->channel(peer, kP2PChannel);
+  while (!queue.empty()) {
+    Entry& e = *queue.front();
+    if (e.p2p_header_done < sizeof(e.p2p_header)) {
+      e.p2p_header[0] = e.tag;
+      e.p2p_header[1] = int64_t(e.count);
+      size_t n = ch->try_send(reinterpret_cast<char*>(e.p2p_header) + e.p2p_header_done,
+                              sizeof(e.p2p_header) - e.p2p_header_done);
+      e.p2p_header_done += n;
+      busy |= n > 0;
+      if (e.p2p_header_done < sizeof(e.p2p_header)) break;
+    }
+    size_t n = ch->try_send(e.in + e.p2p_done, e.count - e.p2p_done);
+    e.p2p_done += n;
+    busy |= n > 0;
+    if (e.p2p_done < e.count) break;
+    counters_.p2p_messages++;
+    complete(queue.front(), "");
+    queue.pop_front();
+    busy = true;
+  }
+  return busy;
+}
+
+bool Engine::match_unexpected(int peer, const std::shared_ptr<Entry>& recv) {
+  auto it = p2p_unexpected_.find(peer);
+  if (it == p2p_unexpected_.end()) return false;
+  auto& list = it->second;
+  auto msg = std::find_if(list.begin(), list.end(), [&](const auto& m) { return m.first == recv->tag; });
+  if (msg == list.end()) return false;
+  std::string error;
+  if (msg->second.size() != recv->count) {
+    error = size_mismatch(*recv, int64_t(msg->second.size()));
+  } else if (!msg->second.empty()) {
+    std::memcpy(recv->out, msg->second.data(), msg->second.size());
+  }
+  list.erase(msg);
+  counters_.p2p_messages++;
+  complete(recv, error);
+  return true;
+}
+
+bool Engine::progress_receives(int peer, std::deque<std::shared_ptr<Entry>>& posted) {
+  bool busy = false;
+  // Receives posted after their message arrived complete from the buffer.
+  for (auto it = posted.begin(); it != posted.end();) {
+    if (match_unexpected(peer, *it)) {
+      it = posted.erase(it);
+      busy = true;
+    } else {
+      ++it;
+    }
+  }
+  // Read on only while a receive waits: a message without one stays in the channel unless
+  // it stands in front of the one that is wanted.
+  Channel* ch = comm_->channel(peer, kP2PChannel);
+  IncomingMessage& in = p2p_incoming_[peer];
+  while (!posted.empty() || in.header_done > 0) {
+    if (in.header_done < sizeof(in.header)) {
+      size_t n = ch->try_recv(reinterpret_cast<char*>(in.header) + in.header_done, sizeof(in.header) - in.header_done);
+      in.header_done += n;
+      busy |= n > 0;
+      if (in.header_done < sizeof(in.header)) break;
+      auto match = std::find_if(posted.begin(), posted.end(), [&](const auto& e) { return e->tag == in.header[0]; });
+      if (match != posted.end() && (*match)->count == size_t(in.header[1])) {
+        in.target = *match;
+        posted.erase(match);
+      } else {
+        // Unexpected (or the wrong size for the receive with its tag: buffered, and that
+        // receive fails with the sizes when it matches below).
+        in.buffer.assign(size_t(in.header[1]), 0);
+      }
+    }
+    const size_t total = size_t(in.header[1]);
+    char* dst = in.target ? in.target->out : in.buffer.data();
+    size_t n = ch->try_recv(dst + in.payload_done, total - in.payload_done);
+    in.payload_done += n;
+    busy |= n > 0;
+    if (in.payload_done < total) break;
+    if (in.target) {
+      counters_.p2p_messages++;
+      complete(in.target, "");
+    } else {
+      p2p_unexpected_[peer].emplace_back(in.header[0], std::move(in.buffer));
+      for (auto it = posted.begin(); it != posted.end(); ++it) {
+        if (match_unexpected(peer, *it)) {
+          posted.erase(it);
+          break;
+        }
+      }
+    }
+    in = IncomingMessage();
+    busy = true;
+  }
+  return busy;
+}
+
 bool Engine::progress_p2p() {
   if (p2p_sends_.empty() && p2p_recvs_.empty()) return false;
   bool busy = false;
   for (auto it = p2p_sends_.begin(); it != p2p_sends_.end();) {
-    auto& queue = it->second;
-    Channel* ch = comm_->channel(it->first, kP2PChannel);
-    while (!queue.empty()) {
-      Entry& e = *queue.front();
-      if (e.p2p_header_done < sizeof(e.p2p_header)) {
-        e.p2p_header[0] = e.tag;
-        e.p2p_header[1] = int64_t(e.count);
-        size_t n = ch->try_send(reinterpret_cast<char*>(e.p2p_header) + e.p2p_header_done,
-                                sizeof(e.p2p_header) - e.p2p_header_done);
-        e.p2p_header_done += n;
-        busy |= n > 0;
-        if (e.p2p_header_done < sizeof(e.p2p_header)) break;
-      }
-      size_t n = ch->try_send(e.in + e.p2p_done, e.count - e.p2p_done);
-      e.p2p_done += n;
-      busy |= n > 0;
-      if (e.p2p_done < e.count) break;
-      counters_.p2p_messages++;
-      complete(queue.front(), "");
-      queue.pop_front();
-      busy = true;
-    }
-    it = queue.empty() ? p2p_sends_.erase(it) : std::next(it);
+    busy |= progress_sends(it->first, it->second);
+    it = it->second.empty() ? p2p_sends_.erase(it) : std::next(it);
   }
   for (auto it = p2p_recvs_.begin(); it != p2p_recvs_.end();) {
-    auto& queue = it->second;
-    Channel* ch = comm_->channel(it->first, kP2PChannel);
-    while (!queue.empty()) {
-      Entry& e = *queue.front();
-      if (e.p2p_header_done < sizeof(e.p2p_header)) {
-        size_t n = ch->try_recv(reinterpret_cast<char*>(e.p2p_header) + e.p2p_header_done,
-                                sizeof(e.p2p_header) - e.p2p_header_done);
-        e.p2p_header_done += n;
-        busy |= n > 0;
-        if (e.p2p_header_done < sizeof(e.p2p_header)) break;
-        e.p2p_discarding = e.p2p_header[0] != e.tag || size_t(e.p2p_header[1]) != e.count;
-      }
-      // A mismatched message is drained (keeping the stream aligned) and the recv fails.
-      const size_t incoming = size_t(e.p2p_header[1]);
-      std::vector<char> sink;
-      char* dst = e.out + e.p2p_done;
-      if (e.p2p_discarding) {
-        sink.resize(std::min<size_t>(incoming - e.p2p_done, 1 << 20));
-        dst = sink.data();
-      }
-      size_t want = e.p2p_discarding ? sink.size() : incoming - e.p2p_done;
-      size_t n = ch->try_recv(dst, want);
-      e.p2p_done += n;
-      busy |= n > 0;
-      if (e.p2p_done < incoming) break;
-      std::string error;
-      if (e.p2p_discarding)
-        error = "recv from rank " + std::to_string(e.peer) + " expected tag " + std::to_string(e.tag) + " and " +
-                std::to_string(e.count) + " bytes, but rank " + std::to_string(e.peer) + " sent tag " +
-                std::to_string(e.p2p_header[0]) + " with " + std::to_string(incoming) + " bytes";
-      counters_.p2p_messages++;
-      complete(queue.front(), error);
-      queue.pop_front();
-      busy = true;
-    }
-    it = queue.empty() ? p2p_recvs_.erase(it) : std::next(it);
+    busy |= progress_receives(it->first, it->second);
+    // A message still arriving keeps its peer here even when no receive is posted.
+    const bool reading = p2p_incoming_[it->first].header_done > 0;
+    it = it->second.empty() && !reading ? p2p_recvs_.erase(it) : std::next(it);
   }
   int64_t now = now_us();
   if (busy) {

@@ -116,6 +116,17 @@ def check_p2p_and_barrier(core, P, me):
     send.wait()
     assert np.array_equal(got, np.arange(n, dtype=np.float64) + left), "send/recv ring"
     core.barrier()
+    # Receives match by tag, not arrival order: receive tag 6 before tag 5 though 5 came first,
+    # and post a receive only after its message has arrived (the engine buffers it).
+    if me == 0:
+        first, second = np.full(7, 5.0), np.full(300_000, 6.0)
+        core.send(first, 1, tag=5)
+        core.send(second, 1, tag=6)
+    elif me == 1:
+        got6 = core.recv(np.empty(300_000), 0, tag=6)
+        got5 = core.recv(np.empty(7), 0, tag=5)
+        assert np.all(got6 == 6.0) and np.all(got5 == 5.0), "tag matching"
+    core.barrier()
     # Point-to-point messages interleaved with large collectives in flight: every channel
     # kind has its own rings, so neither stream can corrupt the other.
     x = np.arange(n, dtype=np.float32) * (me + 1)

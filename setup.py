@@ -44,6 +44,7 @@ setup(
         "smdistributed.dataparallel.torch": "frontends/torch",
         "smdistributed.dataparallel.torch.parallel": "frontends/torch/parallel",
         "smdistributed.dataparallel.tensorflow": "frontends/tensorflow",
+        "smdistributed.dataparallel.tensorflow.keras": "frontends/tensorflow/keras",
     },
     packages=[
         "smdistributed",
@@ -52,5 +53,6 @@ setup(
         "smdistributed.dataparallel.torch",
         "smdistributed.dataparallel.torch.parallel",
         "smdistributed.dataparallel.tensorflow",
+        "smdistributed.dataparallel.tensorflow.keras",
     ],
 )

@@ -16,6 +16,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from digits_data import load_digits_arrays  # noqa: E402
+
 # SageMaker data parallel: Import the library TF API
 import smdistributed.dataparallel.tensorflow as sdp  # noqa: E402
 
@@ -28,17 +30,6 @@ for gpu in gpus:
 if gpus:
     # SageMaker data parallel: Pin GPUs to a single library process
     tf.config.experimental.set_visible_devices(gpus[sdp.local_rank()], 'GPU')
-
-
-def load_digits_arrays():
-    """scikit-learn's 1,797 8x8 digits, split 80/20, scaled to [0, 1], NHWC."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = (digits.images[..., np.newaxis] / 16.0).astype(np.float32)
-    labels = digits.target.astype(np.int64)
-    split = int(len(labels) * 0.8)
-    return (images[:split], labels[:split]), (images[split:], labels[split:])
 
 
 def main():

@@ -11,8 +11,9 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+
+from digits_data import load_digits_arrays  # noqa: E402
 
 import smdistributed.dataparallel.tensorflow.keras as sdp  # noqa: E402
 
@@ -23,16 +24,6 @@ for gpu in gpus:
     tf.config.experimental.set_memory_growth(gpu, True)
 if gpus:
     tf.config.experimental.set_visible_devices(gpus[sdp.local_rank()], 'GPU')
-
-
-def load_digits_arrays():
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = (digits.images[..., np.newaxis] / 16.0).astype(np.float32)
-    labels = digits.target.astype(np.int64)
-    split = int(len(labels) * 0.8)
-    return (images[:split], labels[:split]), (images[split:], labels[split:])
 
 
 class PrintEpoch(tf.keras.callbacks.Callback):

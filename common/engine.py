@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 import threading
 from typing import Optional, Sequence, Union
 

@@ -1,7 +1,6 @@
 """Bad input and failures: every rank raises a clear error, nothing hangs, nothing leaks."""
 import json
 import os
-import uuid
 from pathlib import Path
 
 import pytest

@@ -6,7 +6,7 @@ Sizes include 0, 1, odd, and larger than the fusion threshold and the shared-mem
 import sys
 
 import numpy as np
-from reference import DTYPES, OPS, as_float, assert_close, make_input, reduce_reference, storage_dtype
+from reference import DTYPES, OPS, assert_close, make_input, reduce_reference, storage_dtype
 
 from smdistributed.common import engine
 

@@ -5,19 +5,24 @@ A compressor turns a tensor into what is sent (`compress` -> tensor, context) an
 reduction (the engine accumulates float16 in float32 and rounds once) and casts the
 result back; other tensors pass unchanged.
 """
+import abc
+
 import tensorflow as tf
 
 
-class Compressor:
-    """Interface: staticmethods `compress(tensor) -> (tensor, ctx)`, `decompress(tensor, ctx)`."""
+class Compressor(abc.ABC):
+    """Interface (as in Horovod): staticmethods `compress(tensor) -> (tensor, ctx)` and
+    `decompress(tensor, ctx)`. Users may subclass it for their own wire formats."""
 
     @staticmethod
+    @abc.abstractmethod
     def compress(tensor):
-        raise NotImplementedError
+        """Returns (tensor to send, context for decompress)."""
 
     @staticmethod
+    @abc.abstractmethod
     def decompress(tensor, ctx):
-        raise NotImplementedError
+        """Returns the tensor as the caller gave it, from what was received."""
 
 
 class NoneCompressor(Compressor):

@@ -30,7 +30,7 @@ ext = Pybind11Extension(
     # symbols must stay private to this module: exported, some of them resolve to another
     # libstdc++ already in the process and iostreams crash. Export only PyInit__core.
     extra_link_args=["-Wl,--version-script=" + os.path.join("native", "exports.map")],
-    libraries=["rt"],
+    libraries=["rt", "dl"],
     depends=[os.path.join("native", f) for f in os.listdir("native") if f.endswith((".h", ".map"))],
 )
 

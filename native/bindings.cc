@@ -64,6 +64,8 @@ py::dict counters_dict(const Counters& c) {
 
 }  // namespace
 
+void bind_gpu(py::module_& m);  // bindings_gpu.cc
+
 PYBIND11_MODULE(_core, m) {
   m.doc() = "smdistributed native collective engine (framework-neutral)";
   py::register_exception<Error>(m, "SmddpError", PyExc_RuntimeError);
@@ -82,6 +84,7 @@ PYBIND11_MODULE(_core, m) {
       .value("REDUCE_SCATTER", OpType::kReduceScatter).value("ALLTOALL", OpType::kAlltoall)
       .value("BARRIER", OpType::kBarrier);
 
+  bind_gpu(m);
   m.def("dtype_size", &dtype_size);
   m.def("config_table", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> rows;

@@ -45,6 +45,15 @@ const std::vector<ConfigVar>& config_table() {
       {"SMDDP_STALL_WARNING", "30",
        "seconds after which a tensor some ranks submitted and others did not is logged with "
        "the missing ranks"},
+      {"SMDDP_NCCL_LIBRARY", "",
+       "path of libnccl.so.2 for CUDA tensors; default: the copy already loaded by the framework, "
+       "then the nvidia-nccl wheel's, then the system's"},
+      {"SMDDP_CUDART_LIBRARY", "",
+       "path of the CUDA runtime (libcudart.so); default: the copy already loaded by the framework"},
+      {"SMDDP_NCCL_MAX_CTAS", "",
+       "most thread blocks (SMs) one NCCL collective of smddp may occupy; empty: NCCL's choice. "
+       "Fewer leave more SMs to the backward pass that communication overlaps"},
+      {"SMDDP_NCCL_MIN_CTAS", "", "fewest thread blocks one NCCL collective of smddp uses; empty: NCCL's choice"},
       {"SMDDP_HOST", "",
        "overrides the host name used to group ranks into hosts (tests simulate several hosts "
        "on one machine with it)"},

@@ -45,8 +45,11 @@ def run_world(
     per_rank_env: Optional[Dict[int, Dict[str, str]]] = None,
     hosts: int = 1,
     timeout: float = HANG_GUARD_S,
+    gpus: bool = False,
 ) -> List[RankResult]:
-    """Runs tests/workers/<worker> as `nranks` ranks split over `hosts` simulated hosts."""
+    """Runs tests/workers/<worker> as `nranks` ranks split over `hosts` simulated hosts.
+    With `gpus`, the ranks see the machine's GPUs and the workers run on them
+    (SMDDP_TEST_DEVICE=cuda, one GPU per rank)."""
     port = free_port()
     secret = uuid.uuid4().hex
     per_host = (nranks + hosts - 1) // hosts
@@ -63,8 +66,12 @@ def run_world(
         e.setdefault("SMDDP_TIMEOUT", "20")
         if not e["SMDDP_HOST"]:
             del e["SMDDP_HOST"]
-        # These worlds test the CPU path; a GPU on the machine must not pull tensors onto it.
-        e["CUDA_VISIBLE_DEVICES"] = ""
+        if gpus:
+            e["SMDDP_TEST_DEVICE"] = "cuda"
+            e.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on shared machines
+        else:
+            # These worlds test the CPU path; a GPU on the machine must not pull tensors onto it.
+            e["CUDA_VISIBLE_DEVICES"] = ""
         e.update(env or {})
         e.update((per_rank_env or {}).get(rank, {}))
         procs.append(subprocess.Popen([sys.executable, str(WORKERS / worker), *args], env=e,

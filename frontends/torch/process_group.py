@@ -23,7 +23,8 @@ from smdistributed import _core
 from smdistributed.common.discovery import WorldInfo
 from smdistributed.common.engine import Core
 
-from .tensors import contiguous, core_dtype, core_op, nbytes
+from .cuda_collectives import CudaCollectives
+from .tensors import contiguous, core_dtype, core_op, nbytes, on_cuda
 from .work import CompletionThread, SmddpWork
 
 OpType = _core.OpType
@@ -85,6 +86,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
         self._completion_thread = None
+        self._store = store
+        self._timeout_s = _stall_timeout(timeout)
+        self._cuda_collectives = None
 
     # -- plumbing ---------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -108,6 +112,17 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self._completion_thread = CompletionThread(self._engine)
         return self._completion_thread
 
+    def _cuda(self, tensors, what: str):
+        """The group's NCCL side when the call's tensors are CUDA tensors, else None. The
+        communicator is made on first use, on the device of that call's tensors."""
+        if not on_cuda(tensors, what):
+            return None
+        if self._cuda_collectives is None:
+            timeout = self._timeout_s if self._timeout_s > 0 else float(os.environ.get("SMDDP_TIMEOUT", "1800"))
+            device = next(t.device for t in tensors if isinstance(t, torch.Tensor))
+            self._cuda_collectives = CudaCollectives(self._store, self.rank(), self.size(), device, timeout)
+        return self._cuda_collectives
+
     def _name(self, kind: str) -> str:
         with self._seq_lock:
             return f"c10d.{next(self._seq)}.{kind}"
@@ -129,6 +144,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
+        if (gpu := self._cuda(tensors, "allreduce")) is not None:
+            return gpu.allreduce(tensors, _reduce_op(opts))
         op = _reduce_op(opts)
         handles, backs = [], []
         for t in tensors:
@@ -142,6 +159,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self.allreduce(tensors, opts)
 
     def broadcast(self, tensors: List[torch.Tensor], opts=None):
+        if (gpu := self._cuda(tensors, "broadcast")) is not None:
+            return gpu.broadcast(tensors, _root(opts))
         handles, backs = [], []
         for t in tensors:
             buf, back = contiguous(t, "broadcast")
@@ -150,6 +169,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self, handles, tensors, self._chain(*backs))
 
     def reduce(self, tensors: List[torch.Tensor], opts=None):
+        if (gpu := self._cuda(tensors, "reduce")) is not None:
+            return gpu.reduce(tensors, _reduce_op(opts), _root(opts))
         t = tensors[0]
         buf, back = contiguous(t, "reduce")
         h = self._submit(OpType.REDUCE, "reduce", buf, buf, reduce=_reduce_op(opts), root=_root(opts))
@@ -164,6 +185,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                   opts=None):
         outs, inp = output_tensors[0], input_tensors[0]
+        if (gpu := self._cuda([inp, *outs], "all_gather")) is not None:
+            return gpu.allgather(outs, inp, output_tensors)
         contiguous(inp, "all_gather")
         for o in outs:
             contiguous(o, "all_gather output")
@@ -179,6 +202,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self, [h], output_tensors, scatter_back, keep=flat_in)
 
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None):
+        if (gpu := self._cuda([output, inp], "all_gather_into_tensor")) is not None:
+            return gpu.all_gather_into_tensor([(output, inp)])
         out, back = contiguous(output, "all_gather_into_tensor output")
         contiguous(inp, "all_gather_into_tensor")
         if out.numel() != inp.numel() * self.size():
@@ -196,11 +221,15 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                          self._chain(*[w._finish for w in works]), keep=[w._keep for w in works])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        if (gpu := self._cuda([*outputs, *inputs], "all_gather_into_tensor_coalesced")) is not None:
+            return gpu.all_gather_into_tensor(list(zip(outputs, inputs)))
         return self._coalesced(self.all_gather_single, outputs, inputs, opts)
 
     def reduce_scatter(self, output_tensors: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
                        opts=None):
         out, ins = output_tensors[0], input_lists[0]
+        if (gpu := self._cuda([out, *ins], "reduce_scatter")) is not None:
+            return gpu.reduce_scatter(out, ins, _reduce_op(opts), output_tensors)
         if len(ins) != self.size():
             raise ValueError(f"smddp reduce_scatter: {len(ins)} inputs for {self.size()} ranks")
         flat = torch.cat([i.reshape(-1) for i in ins])
@@ -211,6 +240,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self, [h], output_tensors, self._chain(back, lambda: flat))
 
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None):
+        if (gpu := self._cuda([output, inp], "reduce_scatter_tensor")) is not None:
+            return gpu.reduce_scatter_tensor([(output, inp)], _reduce_op(opts))
         out, back = contiguous(output, "reduce_scatter_tensor output")
         src, _ = contiguous(inp, "reduce_scatter_tensor")
         if src.numel() != out.numel() * self.size():
@@ -223,11 +254,15 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        if (gpu := self._cuda([*outputs, *inputs], "reduce_scatter_tensor_coalesced")) is not None:
+            return gpu.reduce_scatter_tensor(list(zip(outputs, inputs)), _reduce_op(opts))
         return self._coalesced(self.reduce_scatter_single, outputs, inputs, opts)
 
     def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes, input_split_sizes,
                           opts=None):
         P = self.size()
+        if (gpu := self._cuda([output, inp], "all_to_all_single")) is not None:
+            return gpu.all_to_all_single(output, inp, output_split_sizes, input_split_sizes)
         src, _ = contiguous(inp, "all_to_all_single")
         out, back = contiguous(output, "all_to_all_single output")
         rows = src.shape[0] if src.dim() else 1
@@ -247,6 +282,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
                  opts=None):
+        if (gpu := self._cuda([*output_tensors, *input_tensors], "all_to_all")) is not None:
+            return gpu.alltoall(output_tensors, input_tensors)
         flat_in = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else torch.empty(0)
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
         h = self._submit(OpType.ALLTOALL, "alltoall", flat_in, flat_out, shape=[flat_in.numel()],
@@ -265,6 +302,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self, [self._submit(OpType.BARRIER, "barrier", dummy, None)], [], keep=dummy)
 
     def gather(self, output_lists, input_tensors, opts=None):
+        outs = output_lists[0] if output_lists else []
+        if (gpu := self._cuda([*input_tensors, *outs], "gather")) is not None:
+            return gpu.gather(outs, input_tensors[0], _root(opts), output_lists)
         # Through allgather: root keeps the parts (bandwidth P x what a tree gather would move).
         inp = input_tensors[0]
         flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype)
@@ -278,6 +318,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self, [h], output_lists, unpack, keep=flat_in)
 
     def scatter(self, output_tensors, input_lists, opts=None):
+        ins = input_lists[0] if input_lists else []
+        if (gpu := self._cuda([*output_tensors, *ins], "scatter")) is not None:
+            return gpu.scatter(output_tensors[0], ins, _root(opts), output_tensors)
         out = output_tensors[0]
         n = out.numel()
         flat = (torch.cat([t.reshape(-1) for t in input_lists[0]]) if self.rank() == _root(opts)
@@ -287,10 +330,14 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self, [h], output_tensors, lambda: out.copy_(flat[me * n:(me + 1) * n].view(out.shape)))
 
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0):
+        if (gpu := self._cuda(tensors, "send")) is not None:
+            return gpu.send(tensors[0], dst)
         buf, _ = contiguous(tensors[0], "send")
         return SmddpWork(self, [self._engine.send(dst, tag, buf.data_ptr(), nbytes(buf))], tensors, keep=buf)
 
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0):
+        if (gpu := self._cuda(tensors, "recv")) is not None:
+            return gpu.recv(tensors[0], src)
         buf, back = contiguous(tensors[0], "recv")
         return SmddpWork(self, [self._engine.recv(src, tag, buf.data_ptr(), nbytes(buf))], tensors, back)
 
@@ -300,6 +347,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def shutdown(self):
         # The engine first: it fails what is still pending, and the completion thread hands
         # those failures to their futures before it stops.
+        if self._cuda_collectives is not None:
+            self._cuda_collectives.shutdown()
         self._core.shutdown()
         if self._completion_thread is not None:
             self._completion_thread.stop()

@@ -48,13 +48,23 @@ def core_op(op) -> CoreOp:
         raise ValueError(f"smddp: reduce op {red} is not supported; use SUM, AVG, MIN, MAX or PRODUCT") from None
 
 
+def on_cuda(tensors, what: str) -> bool:
+    """Whether a call's tensors are CUDA tensors; a call mixing devices is refused."""
+    kinds = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+    if "cuda" not in kinds:
+        return False
+    if len(kinds) > 1:
+        raise RuntimeError(f"smddp {what}: one call mixes tensors on {', '.join(sorted(kinds))}; "
+                           "put them on one device")
+    return True
+
+
 def check_tensor(t: torch.Tensor, what: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"smddp {what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise RuntimeError(
-            f"smddp {what}: tensor is on {t.device}; the smddp backend handles CPU tensors only in this "
-            "version (CUDA support comes with the NCCL data plane)"
+            f"smddp {what}: tensor is on {t.device}; the smddp backend handles CPU and CUDA tensors"
         )
     if t.is_sparse:
         raise RuntimeError(f"smddp {what}: sparse tensors are not supported")

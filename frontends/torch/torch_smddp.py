@@ -41,5 +41,5 @@ def _fill_torch_environment() -> None:
 
 
 if BACKEND_NAME not in dist.Backend.backend_list:
-    dist.Backend.register_backend(BACKEND_NAME, _create_process_group, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND_NAME, _create_process_group, devices=["cpu", "cuda"])
 _fill_torch_environment()

@@ -9,7 +9,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch_common import DTYPES, OPS, assert_same, expect_raises, make_input, reduce_reference
+from torch_common import DTYPES, OPS, assert_same, expect_raises, make_input, reduce_reference, use_test_device
 
 ASYNC_MODES = ["wait", "future", "poll"]
 SHAPES = [(0,), (1,), (7,), (1001,), (3, 5)]
@@ -277,7 +277,8 @@ def check_non_contiguous(P, me):
 
 
 def scribble():
-    """Allocates and fills tensors of many sizes, reusing whatever memory was just freed."""
+    """Allocates and fills tensors of many sizes, reusing whatever memory was just freed (on a
+    GPU, the caching allocator hands it out again unless the collective's stream holds it)."""
     return [torch.full((n,), 99.0) for n in (3, 5, 6, 7, 9, 12, 15, 18, 256, 300_000) for _ in range(4)]
 
 
@@ -374,6 +375,7 @@ def main():
     dist.init_process_group(backend="smddp")
     P, me = dist.get_world_size(), dist.get_rank()
     assert dist.get_backend() == "smddp", dist.get_backend()
+    use_test_device()  # SMDDP_TEST_DEVICE=cuda: the same checks on this rank's GPU
 
     n = 0
     for dtype in DTYPES:

@@ -3,6 +3,8 @@
 Every rank can build every other rank's input from a seed, so each rank checks its own result
 against a computation that involves no communication at all.
 """
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -16,15 +18,32 @@ OPS = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.AVG, "MIN": dist.ReduceOp.
 RTOL = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-6, torch.float64: 1e-12}
 
 
+def use_test_device() -> bool:
+    """With SMDDP_TEST_DEVICE=cuda a worker runs its checks on CUDA tensors (the NCCL data plane):
+    this rank's GPU becomes torch's default device, so every tensor the checks make lands there.
+    Call it after init_process_group."""
+    if os.environ.get("SMDDP_TEST_DEVICE", "cpu") != "cuda":
+        return False
+    torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    torch.set_default_device(f"cuda:{torch.cuda.current_device()}")
+    return True
+
+
+def randn(*shape, generator):
+    """Seeded normal data, the same on every device: drawn on the CPU, then moved."""
+    return torch.randn(*shape, generator=generator, device="cpu").to(torch.get_default_device())
+
+
 def make_input(dtype, rank, shape, seed, op="SUM"):
     """Small integers: exact in every dtype, so sums and products over a few ranks stay exact."""
-    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    g = torch.Generator(device="cpu").manual_seed(seed * 7919 + rank)
+    device = torch.get_default_device()  # the CUDA runs of a worker set a GPU as the default
     if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
+        return torch.randint(0, 2, shape, generator=g, device="cpu").bool().to(device)
     lo, hi = (1, 3) if op == "PRODUCT" else (-5, 6)
     if dtype == torch.uint8:
         lo = max(lo, 0)
-    return torch.randint(lo, hi, shape, generator=g).to(dtype)
+    return torch.randint(lo, hi, shape, generator=g, device="cpu").to(dtype).to(device)
 
 
 def reduce_reference(dtype, op, inputs):

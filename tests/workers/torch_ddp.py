@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch_common import relative_error
+from torch_common import randn, relative_error, use_test_device
 
 GLOBAL_BATCH = 12  # divides over 2 and 3 ranks, and in halves for no_sync's micro-steps
 IN, HIDDEN, OUT = 8, 16, 3
@@ -69,8 +69,8 @@ def build(cls, seed):
 
 
 def batch(step):
-    g = torch.Generator().manual_seed(1000 + step)
-    return torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
+    g = torch.Generator(device="cpu").manual_seed(1000 + step)
+    return randn(GLOBAL_BATCH, IN, generator=g), randn(GLOBAL_BATCH, OUT, generator=g)
 
 
 def local_slice(t, P, me):
@@ -146,6 +146,8 @@ def run_variant(name, P, me):
     model = build(cls, me)  # different initial weights on every rank
     if me != 0:
         assert not torch.equal(model.fc1.weight, build(cls, 0).fc1.weight)
+    if torch.get_default_device().type == "cuda":
+        kwargs = dict(kwargs, device_ids=[torch.cuda.current_device()])
     ddp = DDP(model, **kwargs)
     # DDP broadcast rank 0's parameters and buffers when it wrapped the model.
     rank0 = build(cls, 0)
@@ -198,6 +200,7 @@ def run_variant(name, P, me):
 def main(names):
     dist.init_process_group(backend="smddp")
     P, me = dist.get_world_size(), dist.get_rank()
+    use_test_device()
     for name in names:
         run_variant(name, P, me)
     dist.destroy_process_group()

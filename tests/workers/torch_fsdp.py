@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from torch_common import relative_error
+from torch_common import randn, relative_error, use_test_device
 
 GLOBAL_BATCH = 12
 IN, HIDDEN, OUT = 8, 32, 5  # 5 rows (and 32 over 3 ranks) do not shard evenly: FSDP pads
@@ -26,13 +26,14 @@ def build():
 
 
 def batch(step):
-    g = torch.Generator().manual_seed(2000 + step)
-    return torch.randn(GLOBAL_BATCH, IN, generator=g), torch.randn(GLOBAL_BATCH, OUT, generator=g)
+    g = torch.Generator(device="cpu").manual_seed(2000 + step)
+    return randn(GLOBAL_BATCH, IN, generator=g), randn(GLOBAL_BATCH, OUT, generator=g)
 
 
 def main():
     dist.init_process_group(backend="smddp")
     P, me = dist.get_world_size(), dist.get_rank()
+    use_test_device()
     n = GLOBAL_BATCH // P
 
     ref = build()

@@ -22,6 +22,9 @@ deprecations = [str(w.message) for w in caught if issubclass(w.category, FutureW
 assert len(deprecations) == 1 and 'init_process_group(backend="smddp")' in deprecations[0], deprecations
 
 P, me = dist.get_world_size(), dist.get_rank()
+from torch_common import randn, use_test_device  # noqa: E402  (after the import-time warning check)
+
+use_test_device()  # SMDDP_TEST_DEVICE=cuda: the same checks on this rank's GPU
 
 
 def check_api():
@@ -56,8 +59,8 @@ def check_api():
 def model_and_data(seed):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
-    g = torch.Generator().manual_seed(99)
-    data = [(torch.randn(4 * P, 6, generator=g), torch.randn(4 * P, 3, generator=g)) for _ in range(10)]
+    g = torch.Generator(device="cpu").manual_seed(99)
+    data = [(randn(4 * P, 6, generator=g), randn(4 * P, 3, generator=g)) for _ in range(10)]
     return model, data
 
 

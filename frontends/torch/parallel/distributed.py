@@ -7,12 +7,15 @@ buckets of `bucket_cap_mb` and reduces them on its own thread while backward goe
 at the end of backward the wrapper waits for the last of them, so the optimizer sees
 averaged gradients. Matching by name means ranks need not produce gradients in the same
 order, and a parameter a rank did not use this step is reduced as zeros.
+
+A model on a GPU takes the NCCL path instead (gpu_buckets.py): gradients are views into
+flat GPU buckets, reduced in a fixed bucket order on the group's stream as backward runs.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -20,8 +23,10 @@ import torch.distributed as dist
 from smdistributed import _core
 
 from ..deprecation import warn_once
+from ..cuda_collectives import CudaCollectives
 from ..process_group import ProcessGroupSMDDP
-from ..tensors import check_tensor, core_dtype
+from ..tensors import check_tensor, core_dtype, on_cuda
+from .gpu_buckets import GpuGradientBuckets
 
 DEFAULT_BUCKET_CAP_MB = 25
 _instances = itertools.count()  # wrappers are created in the same order on every rank
@@ -44,7 +49,11 @@ def _smddp_group(process_group):
 
 class DistributedDataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, broadcast_buffers=True,
-                 process_group=None, bucket_cap_mb=None):
+                 process_group=None, bucket_cap_mb=None, reduce_dtype: Optional[torch.dtype] = None,
+                 nccl_max_ctas: Optional[int] = None):
+        """`reduce_dtype` and `nccl_max_ctas` (GPU models only) are this library's additions:
+        gradients of floating types travel in `reduce_dtype` (bfloat16 halves the bytes), and
+        one reduction occupies at most `nccl_max_ctas` SMs, leaving the rest to backward."""
         super().__init__()
         warn_once("parallel.DistributedDataParallel", "torch.nn.parallel.DistributedDataParallel")
         self.module = module
@@ -57,15 +66,44 @@ class DistributedDataParallel(torch.nn.Module):
         self._params: Dict[str, torch.nn.Parameter] = {
             n: p for n, p in module.named_parameters() if p.requires_grad
         }
-        for name, p in self._params.items():
-            check_tensor(p, f"DistributedDataParallel parameter '{name}'")
+        self._gpu_buckets = None
         self._require_sync = True
         self._in_flight: List[int] = []
         self._reduced = set()  # names reduced during the current backward
         self._callback_queued = False
+        tensors = list(module.parameters()) + list(module.buffers())
+        if on_cuda(tensors, "DistributedDataParallel"):
+            self._init_gpu(tensors, cap, reduce_dtype, nccl_max_ctas)
+            return
+        for name, p in self._params.items():
+            check_tensor(p, f"DistributedDataParallel parameter '{name}'")
         self._sync_module_states()
         for name, p in self._params.items():
             p.register_post_accumulate_grad_hook(self._make_hook(name))
+
+    def _init_gpu(self, tensors, cap_mb, reduce_dtype, max_ctas) -> None:
+        device = tensors[0].device
+        # Its own communicator: its stream and SM budget are the wrapper's, not the group's.
+        self._gpu = CudaCollectives(self._pg._store, self._pg.rank(), self._pg.size(), device,
+                                    self._pg._timeout_s if self._pg._timeout_s > 0 else 1800.0,
+                                    key=f"smddp/nccl/{self._prefix}", max_ctas=max_ctas)
+        with torch.no_grad():
+            self._gpu.broadcast([t.data for t in tensors], 0).wait()
+        self._gpu_buckets = GpuGradientBuckets(self._params, self._gpu, int(cap_mb * 1024 * 1024), reduce_dtype)
+        for p in self._params.values():
+            p.register_post_accumulate_grad_hook(self._gpu_hook)
+
+    def _gpu_hook(self, param: torch.Tensor) -> None:
+        if not self._require_sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_gpu_backward)
+        self._gpu_buckets.gradient_ready(param)
+
+    def _finish_gpu_backward(self) -> None:
+        self._callback_queued = False
+        self._gpu_buckets.finish()
 
     # -- helpers ------------------------------------------------------------------------------
     def _submit(self, op, name: str, t: torch.Tensor, **kw) -> int:
@@ -137,5 +175,8 @@ class DistributedDataParallel(torch.nn.Module):
             buffers = dict(self.module.named_buffers())
             if buffers:
                 with torch.no_grad():
-                    self._broadcast_all(f"{self._prefix}.buffer", buffers)
+                    if self._gpu_buckets is not None:
+                        self._gpu.broadcast([b.data for b in buffers.values()], 0).wait()
+                    else:
+                        self._broadcast_all(f"{self._prefix}.buffer", buffers)
         return self.module(*inputs, **kwargs)

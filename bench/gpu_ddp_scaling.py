@@ -1,0 +1,120 @@
+"""Weak scaling of the anchor transformer on GPUs: torch DDP over NCCL, torch DDP over smddp,
+and this library's DistributedDataParallel, in the same run.
+
+    smddprun -np 2 python bench/gpu_ddp_scaling.py      (or torchrun --nproc_per_node 2)
+
+The model, data and loop are the anchor's (../shared/anchors/anchor_collectives.py): a
+12-layer TransformerEncoder (width 1024, 16 heads, ffn 4096, 151M parameters), batch
+16 x 256 per GPU, bf16 autocast, SGD; 5 warmup and 20 timed steps. Scaling efficiency =
+one-GPU step time (the same loop without DDP, run on every GPU at once) / step time with
+DDP across the GPUs. Rank 0 prints the table and writes bench/results/gpu_ddp_scaling_<n>gpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401
+from smdistributed.dataparallel.torch.parallel import DistributedDataParallel as SmddpDDP
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def build(dev):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True)
+    return torch.nn.TransformerEncoder(layer, 12).to(dev)
+
+
+def run(model, params, x, steps=20, warmup=5):
+    opt = torch.optim.SGD(params, lr=1e-3)
+    for i in range(steps + warmup):
+        if i == warmup:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def variants(nccl_group):
+    yield "torch DDP, nccl", lambda m: TorchDDP(m, device_ids=[m_dev(m)], process_group=nccl_group)
+    yield "torch DDP, nccl, bf16 hook", lambda m: _hooked(TorchDDP(
+        m, device_ids=[m_dev(m)], process_group=nccl_group, gradient_as_bucket_view=True, static_graph=True))
+    yield "torch DDP, smddp", lambda m: TorchDDP(m, device_ids=[m_dev(m)])
+    yield "torch DDP, smddp, bucket view", lambda m: TorchDDP(m, device_ids=[m_dev(m)], gradient_as_bucket_view=True,
+                                                              static_graph=True, bucket_cap_mb=100)
+    yield "smdistributed DDP", lambda m: SmddpDDP(m)
+    yield "smdistributed DDP, bf16 wire", lambda m: SmddpDDP(m, reduce_dtype=torch.bfloat16)
+    yield "smdistributed DDP, bf16 wire, 8 CTAs", lambda m: SmddpDDP(m, reduce_dtype=torch.bfloat16, nccl_max_ctas=8)
+
+
+def m_dev(m):
+    return next(m.parameters()).device.index
+
+
+def _hooked(ddp):
+    ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    return ddp
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="comma-separated variant names to run")
+    ap.add_argument("--rounds", type=int, default=1)
+    args = ap.parse_args()
+    dist.init_process_group("smddp")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    nccl = dist.new_group(backend="nccl")
+    x = torch.randn(16, 256, 1024, device=dev)
+    model = build(dev)
+    params = sum(p.numel() for p in model.parameters())
+    single = torch.tensor([min(run(model, model.parameters(), x) for _ in range(args.rounds))], device=dev)
+    dist.all_reduce(single, op=dist.ReduceOp.MAX, group=nccl)
+    single = single.item()
+    results = {}
+    wanted = [v for v in args.only.split(",") if v]
+    for name, wrap in variants(nccl):
+        if wanted and name not in wanted:
+            continue
+        model = build(dev)
+        wrapped = wrap(model)
+        step = min(run(wrapped, wrapped.parameters(), x) for _ in range(args.rounds))
+        slowest = torch.tensor([step], device=dev)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=nccl)  # the slowest rank's step
+        results[name] = dict(step_ms=slowest.item() * 1e3, scaling_eff=single / slowest.item())
+        del wrapped, model
+        torch.cuda.empty_cache()
+        if rank == 0:
+            print(f"  {name:<40} {results[name]['step_ms']:8.2f} ms  efficiency {results[name]['scaling_eff']:.3f}",
+                  flush=True)
+    if rank == 0:
+        print(f"anchor transformer, {params / 1e6:.0f}M parameters, {n} x {torch.cuda.get_device_name(0)}, "
+              f"torch {torch.__version__}; one GPU: {single * 1e3:.2f} ms/step")
+        print(f"{'configuration':<40} {'step ms':>8} {'efficiency':>10}")
+        for name, r in results.items():
+            print(f"{name:<40} {r['step_ms']:>8.2f} {r['scaling_eff']:>10.3f}")
+        RESULTS.mkdir(exist_ok=True)
+        out = RESULTS / f"gpu_ddp_scaling_{n}gpu.json"
+        out.write_text(json.dumps(dict(command=f"smddprun -np {n} python bench/gpu_ddp_scaling.py", world=n,
+                                       device=torch.cuda.get_device_name(0), torch=torch.__version__,
+                                       params=params, single_step_ms=single * 1e3, results=results), indent=1))
+        print("wrote", out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+#include "nccl_group.h"
+
+#include <chrono>
+
+namespace smddp {
+
+namespace {
+
+// ncclDataType_t codes. bool travels as uint8 (0/1), as torch's NCCL backend does.
+int nccl_dtype(DType t) {
+  switch (t) {
+    case DType::kInt8: return 0;
+    case DType::kUInt8: return 1;
+    case DType::kBool: return 1;
+    case DType::kInt32: return 2;
+    case DType::kInt64: return 4;
+    case DType::kFloat16: return 6;
+    case DType::kFloat32: return 7;
+    case DType::kFloat64: return 8;
+    case DType::kBFloat16: return 9;
+    default: break;
+  }
+  throw Error(std::string("NCCL has no type for ") + dtype_name(t));
+}
+
+// ncclRedOp_t codes. On bool, SUM is logical or (max of 0/1) and PRODUCT logical and (min),
+// as the CPU path computes them.
+int nccl_op(ReduceOp op, DType t) {
+  if (t == DType::kBool) {
+    switch (op) {
+      case ReduceOp::kSum: case ReduceOp::kMax: return 2;
+      case ReduceOp::kProduct: case ReduceOp::kMin: return 3;
+      default: throw Error(std::string(reduce_op_name(op)) + " is not defined for bool tensors");
+    }
+  }
+  switch (op) {
+    case ReduceOp::kSum: return 0;
+    case ReduceOp::kProduct: return 1;
+    case ReduceOp::kMax: return 2;
+    case ReduceOp::kMin: return 3;
+    case ReduceOp::kAverage: return 4;
+    default: break;
+  }
+  throw Error("unknown reduce op");
+}
+
+constexpr int kNcclInProgress = 7;
+
+}  // namespace
+
+GpuEvent::~GpuEvent() {
+  // Destroying an event whose work is still queued is allowed; CUDA frees it when it fires.
+  if (event_) gpu::runtime().cudaEventDestroy(event_);
+}
+
+void GpuEvent::block(uintptr_t stream) const {
+  gpu::check_cuda(gpu::runtime().cudaStreamWaitEvent(reinterpret_cast<gpu::Stream>(stream), event_, 0),
+                  "cudaStreamWaitEvent");
+}
+
+bool GpuEvent::query() const {
+  int rc = gpu::runtime().cudaEventQuery(event_);
+  if (rc == gpu::kCudaErrorNotReady) return false;
+  gpu::check_cuda(rc, "cudaEventQuery");
+  return true;
+}
+
+void GpuEvent::synchronize() const { gpu::check_cuda(gpu::runtime().cudaEventSynchronize(event_), "cudaEventSynchronize"); }
+
+std::string NcclGroup::make_unique_id() {
+  gpu::NcclUniqueId id;
+  gpu::check_nccl(gpu::runtime().ncclGetUniqueId(&id), "ncclGetUniqueId");
+  return std::string(id.internal, sizeof(id.internal));
+}
+
+NcclGroup::NcclGroup(const std::string& unique_id, int rank, int size, int device, const NcclOptions& options)
+    : rank_(rank), size_(size), device_(device), options_(options) {
+  const gpu::Runtime& r = gpu::runtime();
+  if (unique_id.size() != sizeof(gpu::NcclUniqueId))
+    throw Error("NCCL unique id has " + std::to_string(unique_id.size()) + " bytes, expected 128");
+  gpu::NcclUniqueId id;
+  std::copy(unique_id.begin(), unique_id.end(), id.internal);
+  gpu::DeviceGuard guard(device_);
+  int least = 0, greatest = 0;
+  gpu::check_cuda(r.cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+  gpu::check_cuda(r.cudaStreamCreateWithPriority(&stream_, gpu::kStreamNonBlocking,
+                                                 options_.high_priority ? greatest : least),
+                  "cudaStreamCreateWithPriority");
+  gpu::check_cuda(r.cudaEventCreateWithFlags(&ready_, gpu::kEventDisableTiming), "cudaEventCreate");
+  const bool configured = options_.max_ctas != gpu::NcclConfig::kUndefined ||
+                          options_.min_ctas != gpu::NcclConfig::kUndefined;
+  if (configured && r.ncclCommInitRankConfig) {
+    gpu::NcclConfig config;
+    config.max_ctas = options_.max_ctas;
+    config.min_ctas = options_.min_ctas;
+    gpu::check_nccl(r.ncclCommInitRankConfig(&comm_, size_, id, rank_, &config), "ncclCommInitRankConfig");
+  } else {
+    gpu::check_nccl(r.ncclCommInitRank(&comm_, size_, id, rank_), "ncclCommInitRank");
+  }
+  watchdog_ = std::thread([this] { watchdog(); });
+}
+
+NcclGroup::~NcclGroup() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  // Without shutdown() (the interpreter is exiting) the communicator is left to the process's
+  // end: destroying it may need a CUDA context that is already gone.
+}
+
+int NcclGroup::nccl_version() const { return gpu::runtime().nccl_version; }
+
+std::string NcclGroup::error() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return error_;
+}
+
+void NcclGroup::check_usable() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!error_.empty()) throw Error(error_);
+  if (destroyed_) throw Error("the NCCL communicator of this group was shut down");
+}
+
+void NcclGroup::run(int code, const char* what) {
+  if (code == 0 || code == kNcclInProgress) return;
+  gpu::check_nccl(code, what);
+}
+
+void NcclGroup::wait_for(uintptr_t caller) {
+  check_usable();
+  const gpu::Runtime& r = gpu::runtime();
+  gpu::check_cuda(r.cudaEventRecord(ready_, reinterpret_cast<gpu::Stream>(caller)), "cudaEventRecord");
+  gpu::check_cuda(r.cudaStreamWaitEvent(stream_, ready_, 0), "cudaStreamWaitEvent");
+}
+
+void NcclGroup::allreduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op) {
+  check_usable();
+  gpu::DeviceGuard guard(device_);
+  run(gpu::runtime().ncclAllReduce(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
+                                   nccl_dtype(dtype), nccl_op(op, dtype), comm_, stream_),
+      "ncclAllReduce");
+}
+
+void NcclGroup::broadcast(uintptr_t in, uintptr_t out, size_t count, DType dtype, int root) {
+  check_usable();
+  gpu::DeviceGuard guard(device_);
+  run(gpu::runtime().ncclBroadcast(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
+                                   nccl_dtype(dtype), root, comm_, stream_),
+      "ncclBroadcast");
+}
+
+void NcclGroup::reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, int root) {
+  check_usable();
+  gpu::DeviceGuard guard(device_);
+  run(gpu::runtime().ncclReduce(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count,
+                                nccl_dtype(dtype), nccl_op(op, dtype), root, comm_, stream_),
+      "ncclReduce");
+}
+
+void NcclGroup::allgather(uintptr_t in, uintptr_t out, size_t count_per_rank, DType dtype) {
+  check_usable();
+  gpu::DeviceGuard guard(device_);
+  run(gpu::runtime().ncclAllGather(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count_per_rank,
+                                   nccl_dtype(dtype), comm_, stream_),
+      "ncclAllGather");
+}
+
+void NcclGroup::reduce_scatter(uintptr_t in, uintptr_t out, size_t count_per_rank, DType dtype, ReduceOp op) {
+  check_usable();
+  gpu::DeviceGuard guard(device_);
+  run(gpu::runtime().ncclReduceScatter(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
+                                       count_per_rank, nccl_dtype(dtype), nccl_op(op, dtype), comm_, stream_),
+      "ncclReduceScatter");
+}
+
+void NcclGroup::send(uintptr_t buf, size_t count, DType dtype, int peer) {
+  check_usable();
+  gpu::DeviceGuard guard(device_);
+  run(gpu::runtime().ncclSend(reinterpret_cast<const void*>(buf), count, nccl_dtype(dtype), peer, comm_, stream_),
+      "ncclSend");
+}
+
+void NcclGroup::recv(uintptr_t buf, size_t count, DType dtype, int peer) {
+  check_usable();
+  gpu::DeviceGuard guard(device_);
+  run(gpu::runtime().ncclRecv(reinterpret_cast<void*>(buf), count, nccl_dtype(dtype), peer, comm_, stream_),
+      "ncclRecv");
+}
+
+void NcclGroup::copy(uintptr_t dst, uintptr_t src, size_t bytes) {
+  check_usable();
+  if (bytes == 0 || dst == src) return;
+  gpu::check_cuda(gpu::runtime().cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
+                                                 bytes, gpu::kMemcpyDeviceToDevice, stream_),
+                  "cudaMemcpyAsync");
+}
+
+void NcclGroup::group_start() { run(gpu::runtime().ncclGroupStart(), "ncclGroupStart"); }
+
+void NcclGroup::group_end() {
+  gpu::DeviceGuard guard(device_);
+  run(gpu::runtime().ncclGroupEnd(), "ncclGroupEnd");
+}
+
+std::shared_ptr<GpuEvent> NcclGroup::record() {
+  check_usable();
+  const gpu::Runtime& r = gpu::runtime();
+  gpu::Event ev = nullptr;
+  {
+    gpu::DeviceGuard guard(device_);
+    gpu::check_cuda(r.cudaEventCreateWithFlags(&ev, gpu::kEventDisableTiming), "cudaEventCreate");
+  }
+  auto event = std::make_shared<GpuEvent>(ev, device_);
+  gpu::check_cuda(r.cudaEventRecord(ev, stream_), "cudaEventRecord");
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    outstanding_.push_back({event, ++batches_, now_us()});
+  }
+  cv_.notify_all();
+  return event;
+}
+
+void NcclGroup::abort(const std::string& reason) {
+  gpu::NcclComm comm = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!error_.empty() || destroyed_) return;
+    error_ = reason;
+    comm = comm_;
+    aborted_ = comm != nullptr;
+  }
+  SMDDP_LOG(0, "NCCL group aborted: " + reason);
+  // Makes NCCL's kernels on this rank return, so the caller's stream drains instead of hanging.
+  if (comm) gpu::runtime().ncclCommAbort(comm);
+}
+
+void NcclGroup::watchdog() {
+  gpu::runtime().cudaSetDevice(device_);  // this thread's own; the caller's device is untouched
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_) {
+    if (outstanding_.empty() || !error_.empty()) {
+      cv_.wait(lock);
+      continue;
+    }
+    cv_.wait_for(lock, std::chrono::milliseconds(20));
+    while (!outstanding_.empty() && outstanding_.front().event->query()) outstanding_.pop_front();
+    std::string reason;
+    if (!destroyed_ && comm_) {
+      int async = 0;
+      gpu::runtime().ncclCommGetAsyncError(comm_, &async);
+      if (async != 0 && async != kNcclInProgress)
+        reason = "NCCL reported an asynchronous error (" + std::string(gpu::runtime().ncclGetErrorString(async)) +
+                 ") on rank " + std::to_string(rank_) + ": a peer failed or its connection broke";
+    }
+    if (reason.empty() && !outstanding_.empty()) {
+      const double waited = (now_us() - outstanding_.front().enqueued_us) / 1e6;
+      if (waited > options_.timeout_s)
+        reason = "NCCL collective batch #" + std::to_string(outstanding_.front().batch) + " on rank " +
+                 std::to_string(rank_) + " did not finish within " + std::to_string(int(options_.timeout_s)) +
+                 " s: a peer rank died, hangs, or did not call the same collective";
+    }
+    if (!reason.empty()) {
+      lock.unlock();
+      abort(reason);
+      lock.lock();
+    }
+  }
+}
+
+void NcclGroup::shutdown() {
+  std::shared_ptr<GpuEvent> last;
+  bool failed;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (destroyed_) return;
+    failed = !error_.empty();
+    if (!outstanding_.empty()) last = outstanding_.back().event;
+  }
+  // Queued work finishes first (bounded: a peer that never joins makes us abort instead).
+  const int64_t deadline = now_us() + int64_t(std::min(options_.timeout_s, 30.0) * 1e6);
+  while (!failed && last && !last->query()) {
+    if (now_us() > deadline) {
+      failed = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+    destroyed_ = true;
+  }
+  cv_.notify_all();
+  if (watchdog_.joinable()) watchdog_.join();
+  const gpu::Runtime& r = gpu::runtime();
+  gpu::DeviceGuard guard(device_);
+  // A communicator the watchdog aborted is already freed.
+  if (comm_ && !aborted_) (failed ? r.ncclCommAbort(comm_) : r.ncclCommDestroy(comm_));
+  comm_ = nullptr;
+  if (ready_) r.cudaEventDestroy(ready_);
+  ready_ = nullptr;
+  if (stream_) r.cudaStreamDestroy(stream_);
+  stream_ = nullptr;
+}
+
+}  // namespace smddp

@@ -1,0 +1,116 @@
+// The NCCL data plane for CUDA tensors: one communicator per process group, bootstrapped by
+// a unique id the frontend passes through its rendezvous (rank 0 makes it, the others read
+// it from the store), so GPU jobs need nothing beyond what the CPU path needs.
+//
+// Stream discipline, as in c10d's NCCL backend: collectives run on the group's own stream.
+// Before each batch of work that stream waits (on the GPU, through an event) for everything
+// the caller's stream has queued, and after it an event marks the batch's end; the caller's
+// stream later waits on that event. The host never blocks on the GPU on this path.
+//
+// A watchdog thread follows every recorded batch: when NCCL reports an asynchronous error,
+// or a batch has not finished within the timeout (a dead peer, or a rank that skipped a
+// collective), it aborts the communicator so that no kernel spins forever, prints why on
+// this rank, and every later call raises that reason.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "common.h"
+#include "gpu_runtime.h"
+
+namespace smddp {
+
+// The end of a batch of GPU work on a group's stream.
+class GpuEvent {
+ public:
+  GpuEvent(gpu::Event event, int device) : event_(event), device_(device) {}
+  ~GpuEvent();
+  GpuEvent(const GpuEvent&) = delete;
+  GpuEvent& operator=(const GpuEvent&) = delete;
+
+  // Makes `stream` (a cudaStream_t as an integer; 0 = the legacy default stream) wait for it.
+  void block(uintptr_t stream) const;
+  bool query() const;        // finished?
+  void synchronize() const;  // host waits (for tests and shutdown; not the hot path)
+  gpu::Event raw() const { return event_; }
+
+ private:
+  gpu::Event event_;
+  int device_;
+};
+
+struct NcclOptions {
+  int max_ctas = gpu::NcclConfig::kUndefined;
+  int min_ctas = gpu::NcclConfig::kUndefined;
+  bool high_priority = false;  // the group's stream outranks compute kernels when SMs free up
+  double timeout_s = 1800;
+};
+
+class NcclGroup {
+ public:
+  static std::string make_unique_id();  // 128 bytes, made on one rank, read by all
+  // Collective over the ranks holding the same id: every rank of the group constructs it.
+  NcclGroup(const std::string& unique_id, int rank, int size, int device, const NcclOptions& options);
+  ~NcclGroup();
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  int device() const { return device_; }
+  uintptr_t stream() const { return reinterpret_cast<uintptr_t>(stream_); }
+  int nccl_version() const;
+
+  // Order this group's stream after everything already queued on `caller`.
+  void wait_for(uintptr_t caller);
+  // Enqueued on the group's stream; counts in elements of `dtype`.
+  void allreduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op);
+  void broadcast(uintptr_t in, uintptr_t out, size_t count, DType dtype, int root);
+  void reduce(uintptr_t in, uintptr_t out, size_t count, DType dtype, ReduceOp op, int root);
+  void allgather(uintptr_t in, uintptr_t out, size_t count_per_rank, DType dtype);
+  void reduce_scatter(uintptr_t in, uintptr_t out, size_t count_per_rank, DType dtype, ReduceOp op);
+  void send(uintptr_t buf, size_t count, DType dtype, int peer);
+  void recv(uintptr_t buf, size_t count, DType dtype, int peer);
+  void copy(uintptr_t dst, uintptr_t src, size_t bytes);
+  // Between these, NCCL calls are fused into one launch (coalesced ops, all-to-all).
+  void group_start();
+  void group_end();
+  // An event after everything enqueued so far; the watchdog follows it too.
+  std::shared_ptr<GpuEvent> record();
+
+  std::string error() const;
+  void abort(const std::string& reason);
+  void shutdown();  // waits for queued work, then destroys the communicator
+
+ private:
+  void check_usable() const;
+  void run(int code, const char* what);
+  void watchdog();
+
+  int rank_, size_, device_;
+  NcclOptions options_;
+  gpu::NcclComm comm_ = nullptr;
+  gpu::Stream stream_ = nullptr;
+  gpu::Event ready_ = nullptr;  // recorded on callers' streams by wait_for()
+  uint64_t batches_ = 0;
+
+  mutable std::mutex mutex_;
+  std::condition_variable cv_;
+  struct Outstanding {
+    std::shared_ptr<GpuEvent> event;
+    uint64_t batch;
+    int64_t enqueued_us;
+  };
+  std::deque<Outstanding> outstanding_;
+  std::string error_;
+  bool stop_ = false;
+  bool destroyed_ = false;
+  bool aborted_ = false;  // ncclCommAbort already ran (it frees the communicator)
+  std::thread watchdog_;
+};
+
+}  // namespace smddp

@@ -1,0 +1,76 @@
+"""The CUDA path of the smddp backend: NCCL through the core, with CUDA tensors.
+
+These need two GPUs and a CUDA build of torch, and skip cleanly anywhere else (CI has no
+GPU). They run the same workers as the CPU tests with SMDDP_TEST_DEVICE=cuda, so every
+check the CPU path passes is checked on the GPU too, and compare with torch's NCCL backend.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from world import WORKERS, assert_all_ok, run_world  # noqa: E402
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+
+
+def test_no_nccl_is_a_clear_error_not_a_crash():
+    """Without NCCL the core says so, and why, instead of failing at import or crashing."""
+    env = dict(os.environ, SMDDP_NCCL_LIBRARY="/nonexistent/libnccl.so.2")
+    code = "from smdistributed import _core; print('REASON', _core.gpu_unavailable_reason())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "SMDDP_NCCL_LIBRARY=/nonexistent/libnccl.so.2" in out.stdout or "libcudart" in out.stdout, out.stdout
+
+
+@needs_two_gpus
+def test_cuda_tensor_without_nccl_raises():
+    env = {"SMDDP_NCCL_LIBRARY": "/nonexistent/libnccl.so.2"}
+    results = run_world(1, "torch_cuda_no_nccl.py", env=env, gpus=True, timeout=120)
+    assert_all_ok(results)
+    assert "NO NCCL OK" in results[0].stdout, results[0].output
+
+
+@needs_two_gpus
+def test_cuda_every_collective_and_dtype():
+    """The CPU suite's torch_collectives worker, on GPUs: every collective x dtype x async mode,
+    non-contiguous tensors, inputs dropped while in flight, bad input."""
+    results = run_world(2, "torch_collectives.py", gpus=True, timeout=600)
+    assert_all_ok(results)
+    for r in results:
+        assert "TORCH COLLECTIVES OK world=2" in r.stdout, r.output
+
+
+@needs_two_gpus
+def test_cuda_results_equal_torch_nccl():
+    results = run_world(2, "torch_cuda_vs_nccl.py", gpus=True, timeout=600)
+    assert_all_ok(results)
+    assert all("CUDA VS NCCL OK" in r.stdout for r in results)
+
+
+@needs_two_gpus
+def test_cuda_ddp_matches_single_process():
+    from test_torch_ddp import DDP_VARIANTS
+
+    results = run_world(2, "torch_ddp.py", DDP_VARIANTS, gpus=True, timeout=600)
+    assert_all_ok(results)
+    for r in results:
+        assert "DDP OK" in r.stdout, r.output
+
+
+@needs_two_gpus
+def test_cuda_fsdp_matches_single_process():
+    results = run_world(2, "torch_fsdp.py", gpus=True, timeout=600)
+    assert_all_ok(results)
+    assert all("FSDP OK" in r.stdout for r in results)
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("case", ["api", "ddp", "ddp-nosync", "ddp-unused", "ddp-buffers"])
+def test_cuda_legacy_api_and_ddp(case):
+    results = run_world(2, "torch_legacy.py", [case], gpus=True, timeout=600)
+    assert_all_ok(results)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -47,7 +48,11 @@ def main():
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
     nccl = dist.new_group(backend="nccl")
-    groups = {"smddp": dist.group.WORLD, "nccl": nccl}
+    # A second smddp group without the argument checks (SMDDP_CUDA_CHECKS=0) shows their cost.
+    os.environ["SMDDP_CUDA_CHECKS"] = "0"
+    unchecked = dist.new_group(backend="smddp")
+    del os.environ["SMDDP_CUDA_CHECKS"]
+    groups = {"smddp": dist.group.WORLD, "nccl": nccl, "smddp_nochecks": unchecked}
     rows = []
     for k in range(args.min_log2, args.max_log2 + 1, 2):
         nbytes = 2 ** k
@@ -63,6 +68,7 @@ def main():
             row[name] = dict(us=s * 1e6, algbw_GBs=algbw, busbw_GBs=algbw * 2 * (n - 1) / n)
         row["busbw_ratio"] = row["smddp"]["busbw_GBs"] / row["nccl"]["busbw_GBs"]
         row["extra_latency_us"] = row["smddp"]["us"] - row["nccl"]["us"]
+        row["extra_latency_nochecks_us"] = row["smddp_nochecks"]["us"] - row["nccl"]["us"]
         rows.append(row)
         del t
     # Correctness of what was timed: one reduction of known values through smddp.
@@ -73,12 +79,13 @@ def main():
         print(f"allreduce float32, {n} GPUs ({torch.cuda.get_device_name(0)}), torch {torch.__version__}, "
               f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
         print(f"{'size':>8} {'smddp us':>10} {'nccl us':>10} {'smddp busbw':>12} {'nccl busbw':>11} "
-              f"{'ratio':>6} {'extra us':>9}")
+              f"{'ratio':>6} {'extra us':>9} {'no-check us':>11} {'extra':>6}")
         for r in rows:
             b = r["bytes"]
             size = f"{b >> 20} MB" if b >= 2 ** 20 else f"{b >> 10} KB"
             print(f"{size:>8} {r['smddp']['us']:>10.1f} {r['nccl']['us']:>10.1f} {r['smddp']['busbw_GBs']:>12.1f} "
-                  f"{r['nccl']['busbw_GBs']:>11.1f} {r['busbw_ratio']:>6.3f} {r['extra_latency_us']:>9.1f}")
+                  f"{r['nccl']['busbw_GBs']:>11.1f} {r['busbw_ratio']:>6.3f} {r['extra_latency_us']:>9.1f} "
+                  f"{r['smddp_nochecks']['us']:>11.1f} {r['extra_latency_nochecks_us']:>6.1f}")
         RESULTS.mkdir(exist_ok=True)
         out = RESULTS / f"gpu_allreduce_{n}gpu.json"
         out.write_text(json.dumps(dict(

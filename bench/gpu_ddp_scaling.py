@@ -57,7 +57,9 @@ def variants(nccl_group):
                                                               static_graph=True, bucket_cap_mb=100)
     yield "smdistributed DDP", lambda m: SmddpDDP(m)
     yield "smdistributed DDP, bf16 wire", lambda m: SmddpDDP(m, reduce_dtype=torch.bfloat16)
-    yield "smdistributed DDP, bf16 wire, 8 CTAs", lambda m: SmddpDDP(m, reduce_dtype=torch.bfloat16, nccl_max_ctas=8)
+    yield "smdistributed DDP, overlapped", lambda m: SmddpDDP(m, overlap_communication=True)
+    yield "smdistributed DDP, overlapped, bf16, 8 CTAs", lambda m: SmddpDDP(
+        m, overlap_communication=True, reduce_dtype=torch.bfloat16, nccl_max_ctas=8)
 
 
 def m_dev(m):

@@ -50,6 +50,9 @@ void bind_gpu(py::module_& m) {
       .def("group_start", &NcclGroup::group_start)
       .def("group_end", &NcclGroup::group_end, py::call_guard<py::gil_scoped_release>())
       .def("record", &NcclGroup::record)
+      .def("allreduce_after", &NcclGroup::allreduce_after, py::call_guard<py::gil_scoped_release>())
+      .def("attach_engine", [](NcclGroup& g, Engine& e) { g.attach_engine(&e); }, py::keep_alive<1, 2>())
+      .def("watch_check", &NcclGroup::watch_check)
       .def("error", &NcclGroup::error)
       .def("abort", &NcclGroup::abort, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &NcclGroup::shutdown, py::call_guard<py::gil_scoped_release>());

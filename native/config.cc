@@ -53,6 +53,10 @@ const std::vector<ConfigVar>& config_table() {
       {"SMDDP_NCCL_MAX_CTAS", "",
        "most thread blocks (SMs) one NCCL collective of smddp may occupy; empty: NCCL's choice. "
        "Fewer leave more SMs to the backward pass that communication overlaps"},
+      {"SMDDP_CUDA_CHECKS", "1",
+       "1: every collective on CUDA tensors is also negotiated (its signature only) through the CPU "
+       "engine, so ranks that disagree on shape, dtype, op or root, or a dead rank, abort NCCL with "
+       "a message naming the difference instead of hanging; 0: off (saves a few microseconds a call)"},
       {"SMDDP_NCCL_MIN_CTAS", "", "fewest thread blocks one NCCL collective of smddp uses; empty: NCCL's choice"},
       {"SMDDP_HOST", "",
        "overrides the host name used to group ranks into hosts (tests simulate several hosts "

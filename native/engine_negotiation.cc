@@ -168,6 +168,13 @@ std::vector<Response> Engine::build_responses() {
       continue;
     }
     ResponseEntry entry{name, Announcement::kNoCacheId};
+    if (sig.check_only) {
+      Response r;
+      r.sig = sig;
+      r.entries.push_back(entry);
+      out.push_back(std::move(r));
+      continue;
+    }
     auto cached = cache_by_name_.find(name);
     if (cached != cache_by_name_.end() && cache_[cached->second].sig == sig) {
       entry.cache_id = cached->second;

@@ -39,7 +39,7 @@ std::string Signature::first_difference(const Signature& o) const {
 
 bool Signature::operator==(const Signature& o) const {
   return op == o.op && dtype == o.dtype && reduce_op == o.reduce_op && root == o.root && shape == o.shape &&
-         splits == o.splits && prescale == o.prescale && postscale == o.postscale;
+         splits == o.splits && prescale == o.prescale && postscale == o.postscale && check_only == o.check_only;
 }
 
 std::string Signature::field_text(const std::string& field) const {
@@ -63,6 +63,7 @@ void Signature::write(Writer& w) const {
   w.put_i64s(splits);
   w.put<double>(prescale);
   w.put<double>(postscale);
+  w.put<uint8_t>(check_only ? 1 : 0);
 }
 
 Signature Signature::read(Reader& r) {
@@ -75,6 +76,7 @@ Signature Signature::read(Reader& r) {
   s.splits = r.get_i64s();
   s.prescale = r.get<double>();
   s.postscale = r.get<double>();
+  s.check_only = r.get<uint8_t>() != 0;
   return s;
 }
 

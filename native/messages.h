@@ -23,6 +23,9 @@ struct Signature {
   std::vector<int64_t> shape;
   std::vector<int64_t> splits;  // reduce_scatter: elements per rank (must agree)
   double prescale = 1.0, postscale = 1.0;
+  // Negotiated but not run: the CUDA path checks that every rank calls the same collective
+  // with the same arguments this way, while NCCL moves the data (never fused, never cached).
+  bool check_only = false;
 
   bool operator==(const Signature& o) const;
   bool operator!=(const Signature& o) const { return !(*this == o); }

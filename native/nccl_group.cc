@@ -48,9 +48,34 @@ constexpr int kNcclInProgress = 7;
 
 }  // namespace
 
+EventPool::~EventPool() {
+  for (auto e : free_) gpu::runtime().cudaEventDestroy(e);
+}
+
+gpu::Event EventPool::take() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!free_.empty()) {
+      gpu::Event e = free_.back();
+      free_.pop_back();
+      return e;
+    }
+  }
+  gpu::DeviceGuard guard(device_);
+  gpu::Event e = nullptr;
+  gpu::check_cuda(gpu::runtime().cudaEventCreateWithFlags(&e, gpu::kEventDisableTiming), "cudaEventCreate");
+  return e;
+}
+
+void EventPool::give(gpu::Event e) {
+  // Re-recording an event that has not fired yet is allowed: waits already enqueued on it
+  // keep the old point, as CUDA captures an event's state when a wait is enqueued.
+  std::lock_guard<std::mutex> lock(mutex_);
+  free_.push_back(e);
+}
+
 GpuEvent::~GpuEvent() {
-  // Destroying an event whose work is still queued is allowed; CUDA frees it when it fires.
-  if (event_) gpu::runtime().cudaEventDestroy(event_);
+  if (event_) pool_->give(event_);
 }
 
 void GpuEvent::block(uintptr_t stream) const {
@@ -87,6 +112,7 @@ NcclGroup::NcclGroup(const std::string& unique_id, int rank, int size, int devic
                                                  options_.high_priority ? greatest : least),
                   "cudaStreamCreateWithPriority");
   gpu::check_cuda(r.cudaEventCreateWithFlags(&ready_, gpu::kEventDisableTiming), "cudaEventCreate");
+  events_ = std::make_shared<EventPool>(device_);
   const bool configured = options_.max_ctas != gpu::NcclConfig::kUndefined ||
                           options_.min_ctas != gpu::NcclConfig::kUndefined;
   if (configured && r.ncclCommInitRankConfig) {
@@ -207,20 +233,38 @@ void NcclGroup::group_end() {
 
 std::shared_ptr<GpuEvent> NcclGroup::record() {
   check_usable();
-  const gpu::Runtime& r = gpu::runtime();
-  gpu::Event ev = nullptr;
-  {
-    gpu::DeviceGuard guard(device_);
-    gpu::check_cuda(r.cudaEventCreateWithFlags(&ev, gpu::kEventDisableTiming), "cudaEventCreate");
-  }
-  auto event = std::make_shared<GpuEvent>(ev, device_);
-  gpu::check_cuda(r.cudaEventRecord(ev, stream_), "cudaEventRecord");
+  auto event = std::make_shared<GpuEvent>(events_, events_->take());
+  gpu::check_cuda(gpu::runtime().cudaEventRecord(event->raw(), stream_), "cudaEventRecord");
+  bool was_idle;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    was_idle = outstanding_.empty();
     outstanding_.push_back({event, ++batches_, now_us()});
   }
-  cv_.notify_all();
+  if (was_idle) cv_.notify_all();  // otherwise the watchdog is already polling
   return event;
+}
+
+std::shared_ptr<GpuEvent> NcclGroup::allreduce_after(uintptr_t caller, uintptr_t in, uintptr_t out, size_t count,
+                                                     DType dtype, ReduceOp op) {
+  wait_for(caller);
+  allreduce(in, out, count, dtype, op);
+  return record();
+}
+
+void NcclGroup::attach_engine(Engine* engine) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  engine_ = engine;
+}
+
+void NcclGroup::watch_check(uint64_t handle) {
+  bool was_idle;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    was_idle = checks_.empty() && outstanding_.empty();
+    checks_.push_back(handle);
+  }
+  if (was_idle) cv_.notify_all();
 }
 
 void NcclGroup::abort(const std::string& reason) {
@@ -241,14 +285,23 @@ void NcclGroup::watchdog() {
   gpu::runtime().cudaSetDevice(device_);  // this thread's own; the caller's device is untouched
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
-    if (outstanding_.empty() || !error_.empty()) {
+    if ((outstanding_.empty() && checks_.empty()) || !error_.empty()) {
       cv_.wait(lock);
       continue;
     }
-    cv_.wait_for(lock, std::chrono::milliseconds(20));
+    cv_.wait_for(lock, std::chrono::milliseconds(checks_.empty() ? 20 : 1));
     while (!outstanding_.empty() && outstanding_.front().event->query()) outstanding_.pop_front();
     std::string reason;
-    if (!destroyed_ && comm_) {
+    while (reason.empty() && !checks_.empty() && engine_) {
+      try {
+        if (!engine_->poll(checks_.front())) break;
+        engine_->wait(checks_.front(), 0);
+      } catch (const std::exception& e) {
+        reason = e.what();
+      }
+      checks_.pop_front();
+    }
+    if (reason.empty() && !destroyed_ && comm_) {
       int async = 0;
       gpu::runtime().ncclCommGetAsyncError(comm_, &async);
       if (async != 0 && async != kNcclInProgress)
@@ -302,8 +355,8 @@ void NcclGroup::shutdown() {
   comm_ = nullptr;
   if (ready_) r.cudaEventDestroy(ready_);
   ready_ = nullptr;
-  if (stream_) r.cudaStreamDestroy(stream_);
-  stream_ = nullptr;
+  // The stream stays: the framework's caching allocator may still record events on it for
+  // tensors this group used (record_stream) as they are freed, up to the process's end.
 }
 
 }  // namespace smddp

@@ -20,16 +20,32 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "common.h"
+#include "engine.h"
 #include "gpu_runtime.h"
 
 namespace smddp {
 
+// Events are reused: creating one per collective costs microseconds on the latency path.
+class EventPool {
+ public:
+  explicit EventPool(int device) : device_(device) {}
+  ~EventPool();
+  gpu::Event take();
+  void give(gpu::Event e);
+
+ private:
+  int device_;
+  std::mutex mutex_;
+  std::vector<gpu::Event> free_;
+};
+
 // The end of a batch of GPU work on a group's stream.
 class GpuEvent {
  public:
-  GpuEvent(gpu::Event event, int device) : event_(event), device_(device) {}
+  GpuEvent(std::shared_ptr<EventPool> pool, gpu::Event event) : pool_(std::move(pool)), event_(event) {}
   ~GpuEvent();
   GpuEvent(const GpuEvent&) = delete;
   GpuEvent& operator=(const GpuEvent&) = delete;
@@ -41,8 +57,8 @@ class GpuEvent {
   gpu::Event raw() const { return event_; }
 
  private:
+  std::shared_ptr<EventPool> pool_;
   gpu::Event event_;
-  int device_;
 };
 
 struct NcclOptions {
@@ -81,6 +97,16 @@ class NcclGroup {
   void group_end();
   // An event after everything enqueued so far; the watchdog follows it too.
   std::shared_ptr<GpuEvent> record();
+  // The latency path of the most common call, in one crossing: wait_for, allreduce, record.
+  std::shared_ptr<GpuEvent> allreduce_after(uintptr_t caller, uintptr_t in, uintptr_t out, size_t count, DType dtype,
+                                            ReduceOp op);
+
+  // Argument checks: the frontend negotiates each collective's signature through the CPU
+  // engine (check_only) while NCCL runs it; when ranks disagree, or a peer dies, the engine
+  // fails the check and the watchdog aborts the communicator with the engine's message, so
+  // a mismatched call raises on every rank instead of hanging in NCCL.
+  void attach_engine(Engine* engine);
+  void watch_check(uint64_t handle);
 
   std::string error() const;
   void abort(const std::string& reason);
@@ -96,6 +122,7 @@ class NcclGroup {
   gpu::NcclComm comm_ = nullptr;
   gpu::Stream stream_ = nullptr;
   gpu::Event ready_ = nullptr;  // recorded on callers' streams by wait_for()
+  std::shared_ptr<EventPool> events_;
   uint64_t batches_ = 0;
 
   mutable std::mutex mutex_;
@@ -106,6 +133,8 @@ class NcclGroup {
     int64_t enqueued_us;
   };
   std::deque<Outstanding> outstanding_;
+  Engine* engine_ = nullptr;
+  std::deque<uint64_t> checks_;
   std::string error_;
   bool stop_ = false;
   bool destroyed_ = false;

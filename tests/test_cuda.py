@@ -74,3 +74,30 @@ def test_cuda_fsdp_matches_single_process():
 def test_cuda_legacy_api_and_ddp(case):
     results = run_world(2, "torch_legacy.py", [case], gpus=True, timeout=600)
     assert_all_ok(results)
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("case, expected", [
+    ("shape", ["disagree on the shape", "rank 0 has [4]", "rank 1 has [5]"]),
+    ("dtype", ["disagree on the dtype", "rank 0 has float32", "rank 1 has float64"]),
+    ("root", ["disagree on the root"]),
+])
+def test_cuda_disagreeing_ranks_raise_on_every_rank(case, expected):
+    """The arguments of every CUDA collective are negotiated beside NCCL: a mismatch aborts the
+    communicator on every rank with the engine's message instead of hanging in NCCL."""
+    results = run_world(2, "torch_cuda_errors.py", [case], env={"SMDDP_TIMEOUT": "20"}, gpus=True, timeout=120)
+    assert_all_ok(results)
+    for r in results:
+        raised = [l for l in r.stdout.splitlines() if l.startswith("RAISED:")]
+        assert raised, r.output
+        for fragment in expected:
+            assert fragment in raised[0], r.output
+
+
+@needs_two_gpus
+def test_cuda_dead_peer_raises():
+    """A rank that dies makes the survivor's CUDA collectives raise, naming the dead rank."""
+    results = run_world(2, "torch_cuda_errors.py", ["dead"], env={"SMDDP_TIMEOUT": "10"}, gpus=True, timeout=120)
+    assert results[1].returncode == 3
+    assert results[0].returncode == 0, results[0].output
+    assert "rank 1" in results[0].stdout, results[0].output

@@ -13,6 +13,7 @@ before its send (legal with isend/irecv) would block its own stream.
 """
 from __future__ import annotations
 
+import itertools
 import os
 from typing import List, Optional, Sequence
 
@@ -24,10 +25,21 @@ from smdistributed import _core
 from .tensors import core_dtype
 
 CoreOp = _core.ReduceOp
+OpType = _core.OpType
 
 
 def nccl_unavailable_reason() -> str:
     return _core.gpu_unavailable_reason()
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def current_stream(device: torch.device) -> int:
+    """The caller's current stream on `device`, as the raw cudaStream_t integer."""
+    if _raw_stream is not None:
+        return _raw_stream(device.index)  # no Stream object: this is on every call's path
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _env_int(name: str) -> int:
@@ -55,7 +67,7 @@ class CudaWork(dist.Work):
             raise RuntimeError(f"smddp: {error}")
 
     def wait(self, timeout=None) -> bool:
-        self._launched().block(torch.cuda.current_stream(self._group.device).cuda_stream)
+        self._launched().block(current_stream(self._group.device))
         self._check()
         return True
 
@@ -104,6 +116,23 @@ class CudaCollectives:
             min_ctas=_env_int("SMDDP_NCCL_MIN_CTAS"), high_priority=high_priority, timeout=timeout_s)
         self.stream = torch.cuda.ExternalStream(self.nccl.stream, device=device)
         self._p2p = []  # held-back (is_send, caller's tensor, contiguous buffer, peer, work)
+        self._engine = None
+
+    def check_arguments_with(self, engine) -> None:
+        """Every later collective's arguments are also negotiated through `engine` (the group's
+        CPU engine, check_only): ranks that disagree on shape, dtype, op or root, or a rank that
+        dies, make the communicator abort with a message naming what differs, on every rank."""
+        self._engine = engine
+        self._checks = itertools.count()
+        self.nccl.attach_engine(engine)
+
+    def _verify(self, op, t: torch.Tensor, kind: str, reduce=CoreOp.SUM, root: int = 0, shape=None) -> None:
+        if self._engine is None:
+            return
+        h = self._engine.submit(op=op, name=f"cuda.{next(self._checks)}.{kind}", in_ptr=0, out_ptr=0, count=0,
+                                out_capacity=0, dtype=core_dtype(t), shape=list(t.shape) if shape is None else shape,
+                                reduce_op=reduce, root=root, check_only=True)
+        self.nccl.watch_check(h)
 
     # -- launching --------------------------------------------------------------------------
     def check(self, tensors: Sequence[torch.Tensor], what: str) -> None:
@@ -118,7 +147,7 @@ class CudaCollectives:
     def begin(self) -> None:
         if self._p2p:
             self.flush_p2p()
-        self.nccl.wait_for(torch.cuda.current_stream(self.device).cuda_stream)
+        self.nccl.wait_for(current_stream(self.device))
 
     def end(self, used: Sequence[torch.Tensor], result) -> CudaWork:
         for t in used:
@@ -139,8 +168,19 @@ class CudaCollectives:
                     t.copy_(b)
 
     # -- collectives ------------------------------------------------------------------------
+    def allreduce_one(self, t: torch.Tensor, op) -> CudaWork:
+        """The latency path: one contiguous tensor, one crossing into the core."""
+        if t.device != self.device or not t.is_contiguous() or self._p2p or t.is_sparse:
+            return self.allreduce([t], op)
+        self._verify(OpType.ALLREDUCE, t, "allreduce", op)
+        ptr = t.data_ptr()
+        event = self.nccl.allreduce_after(current_stream(self.device), ptr, ptr, t.numel(), core_dtype(t), op)
+        t.record_stream(self.stream)
+        return CudaWork(self, event, [t])
+
     def allreduce(self, tensors: List[torch.Tensor], op) -> CudaWork:
         self.check(tensors, "allreduce")
+        self._verify(OpType.ALLREDUCE, tensors[0], "allreduce", op, shape=[sum(t.numel() for t in tensors)])
         bufs = [self._dense(t) for t in tensors]
         fuse = len(bufs) > 1 and len({b.dtype for b in bufs}) == 1
         if fuse:
@@ -165,6 +205,7 @@ class CudaCollectives:
 
     def broadcast(self, tensors: List[torch.Tensor], root: int) -> CudaWork:
         self.check(tensors, "broadcast")
+        self._verify(OpType.BROADCAST, tensors[0], "broadcast", root=root, shape=[sum(t.numel() for t in tensors)])
         bufs = [self._dense(t) for t in tensors]
         self.begin()
         self.nccl.group_start()
@@ -178,6 +219,7 @@ class CudaCollectives:
 
     def reduce(self, tensors: List[torch.Tensor], op, root: int) -> CudaWork:
         self.check(tensors, "reduce")
+        self._verify(OpType.REDUCE, tensors[0], "reduce", op, root)
         t = tensors[0]
         b = self._dense(t)
         self.begin()
@@ -188,6 +230,7 @@ class CudaCollectives:
 
     def allgather(self, outs: List[torch.Tensor], inp: torch.Tensor, result) -> CudaWork:
         self.check([inp, *outs], "all_gather")
+        self._verify(OpType.ALLGATHER, inp, "all_gather", shape=[inp.numel(), len(outs)])
         if len(outs) != self.size:
             raise ValueError(f"smddp all_gather: {len(outs)} output tensors for {self.size} ranks")
         src = self._dense(inp)
@@ -218,6 +261,8 @@ class CudaCollectives:
             if out.numel() != inp.numel() * self.size:
                 raise ValueError(f"smddp all_gather_into_tensor: output has {out.numel()} elements, expected "
                                  f"{inp.numel()} x {self.size} ranks")
+        self._verify(OpType.ALLGATHER, pairs[0][1], "all_gather_into_tensor",
+                     shape=[sum(i.numel() for _, i in pairs), len(pairs)])
         bufs = [(self._dense(o), self._dense(i)) for o, i in pairs]
         self.begin()
         self.nccl.group_start()
@@ -236,6 +281,8 @@ class CudaCollectives:
             if inp.numel() != out.numel() * self.size:
                 raise ValueError(f"smddp reduce_scatter_tensor: input has {inp.numel()} elements, expected "
                                  f"{out.numel()} x {self.size} ranks")
+        self._verify(OpType.REDUCE_SCATTER, pairs[0][1], "reduce_scatter_tensor", op,
+                     shape=[i.numel() for _, i in pairs])
         bufs = [(self._dense(o), self._dense(i)) for o, i in pairs]
         self.begin()
         self.nccl.group_start()
@@ -251,6 +298,7 @@ class CudaCollectives:
         self.check([out, *ins], "reduce_scatter")
         if len(ins) != self.size:
             raise ValueError(f"smddp reduce_scatter: {len(ins)} inputs for {self.size} ranks")
+        self._verify(OpType.REDUCE_SCATTER, out, "reduce_scatter", op, shape=[i.numel() for i in ins])
         flat = torch.cat([i.reshape(-1) for i in ins])
         if all(i.numel() == out.numel() for i in ins):
             return self._reduce_scatter_even(out, flat, op, result)
@@ -292,6 +340,7 @@ class CudaCollectives:
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> CudaWork:
         self.check([out, inp], "all_to_all_single")
+        self._verify(OpType.ALLTOALL, inp, "all_to_all_single")
         P = self.size
         src, dst = self._dense(inp), self._dense(out)
         in_rows = src.shape[0] if src.dim() else 1
@@ -321,6 +370,7 @@ class CudaCollectives:
 
     def alltoall(self, outs: List[torch.Tensor], ins: List[torch.Tensor]) -> CudaWork:
         self.check([*outs, *ins], "all_to_all")
+        self._verify(OpType.ALLTOALL, ins[0] if ins else outs[0], "all_to_all", shape=[len(ins), len(outs)])
         if len(outs) != self.size or len(ins) != self.size:
             raise ValueError(f"smddp all_to_all: {len(ins)} inputs and {len(outs)} outputs for {self.size} ranks")
         src = [self._dense(t) for t in ins]
@@ -332,6 +382,7 @@ class CudaCollectives:
 
     def gather(self, outs: List[torch.Tensor], inp: torch.Tensor, root: int, result) -> CudaWork:
         self.check([inp, *outs], "gather")
+        self._verify(OpType.BROADCAST, inp, "gather", root=root)
         src = self._dense(inp)
         sends = [None] * self.size
         recvs = [None] * self.size
@@ -348,6 +399,7 @@ class CudaCollectives:
 
     def scatter(self, out: torch.Tensor, ins: List[torch.Tensor], root: int, result) -> CudaWork:
         self.check([out, *ins], "scatter")
+        self._verify(OpType.BROADCAST, out, "scatter", root=root)
         dst = self._dense(out)
         sends = [None] * self.size
         recvs = [None] * self.size
@@ -381,7 +433,7 @@ class CudaCollectives:
         ops, self._p2p = self._p2p, []
         if not ops:
             return
-        self.nccl.wait_for(torch.cuda.current_stream(self.device).cuda_stream)
+        self.nccl.wait_for(current_stream(self.device))
         self.nccl.group_start()
         try:
             for is_send, _, b, peer, _ in ops:

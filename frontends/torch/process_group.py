@@ -89,6 +89,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._store = store
         self._timeout_s = _stall_timeout(timeout)
         self._cuda_collectives = None
+        self._cuda_checks = os.environ.get("SMDDP_CUDA_CHECKS", "1") != "0"
 
     # -- plumbing ---------------------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -121,6 +122,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             timeout = self._timeout_s if self._timeout_s > 0 else float(os.environ.get("SMDDP_TIMEOUT", "1800"))
             device = next(t.device for t in tensors if isinstance(t, torch.Tensor))
             self._cuda_collectives = CudaCollectives(self._store, self.rank(), self.size(), device, timeout)
+            if self._cuda_checks:
+                self._cuda_collectives.check_arguments_with(self._engine)
         return self._cuda_collectives
 
     def _name(self, kind: str) -> str:
@@ -144,6 +147,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
+        if len(tensors) == 1 and self._cuda_collectives is not None and tensors[0].is_cuda:
+            return self._cuda_collectives.allreduce_one(tensors[0], _reduce_op(opts))
         if (gpu := self._cuda(tensors, "allreduce")) is not None:
             return gpu.allreduce(tensors, _reduce_op(opts))
         op = _reduce_op(opts)

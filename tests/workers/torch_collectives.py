@@ -25,6 +25,14 @@ def ops_for(dtype):
     return [op for op in OPS if not (dtype == torch.bool and op == "AVG")]
 
 
+def host_sync():
+    """On a GPU, wait() and a future's completion order the caller's stream after the collective
+    and return at once (as with torch's NCCL backend); the host sees the work completed only
+    once that stream has run."""
+    if torch.get_default_device().type == "cuda":
+        torch.cuda.current_stream().synchronize()
+
+
 def complete(work, mode):
     """Completes an operation the way `mode` says and checks torch's Work interface on the way."""
     if mode == "sync":
@@ -33,6 +41,7 @@ def complete(work, mode):
     assert work is not None, "async_op=True returned no Work"
     if mode == "wait":
         assert work.wait() is True
+        host_sync()
         assert work.is_completed(), "is_completed() is False after wait()"
         assert work.is_success()
         fut = work.get_future()  # after completion the future is already (or immediately) done
@@ -51,6 +60,7 @@ def complete(work, mode):
         tag, _ = chained.wait()
         assert tag == "chained"
         assert fut.done()
+        host_sync()
         assert work.is_completed(), "is_completed() is False after the future completed"
 
 

@@ -15,13 +15,13 @@ TOL = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6, torch.flo
 def data(dtype, rank, shape, seed, op="SUM"):
     g = torch.Generator(device="cpu").manual_seed(seed * 101 + rank)
     if dtype == torch.bool:
-        t = torch.randint(0, 2, shape, generator=g).bool()
+        t = torch.randint(0, 2, shape, generator=g, device="cpu").bool()
     elif dtype in FLOATS:
-        t = (torch.rand(shape, generator=g, dtype=torch.float64) + 0.5 if op == "PRODUCT"
-             else torch.randn(shape, generator=g, dtype=torch.float64)).to(dtype)
+        t = (torch.rand(shape, generator=g, dtype=torch.float64, device="cpu") + 0.5 if op == "PRODUCT"
+             else torch.randn(shape, generator=g, dtype=torch.float64, device="cpu")).to(dtype)
     else:
         lo, hi = (1, 3) if op == "PRODUCT" else (0 if dtype == torch.uint8 else -50, 50)
-        t = torch.randint(lo, hi, shape, generator=g).to(dtype)
+        t = torch.randint(lo, hi, shape, generator=g, device="cpu").to(dtype)
     return t.to(torch.get_default_device())
 
 

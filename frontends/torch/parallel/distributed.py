@@ -50,10 +50,12 @@ def _smddp_group(process_group):
 class DistributedDataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, device_ids=None, output_device=None, broadcast_buffers=True,
                  process_group=None, bucket_cap_mb=None, reduce_dtype: Optional[torch.dtype] = None,
-                 nccl_max_ctas: Optional[int] = None):
-        """`reduce_dtype` and `nccl_max_ctas` (GPU models only) are this library's additions:
-        gradients of floating types travel in `reduce_dtype` (bfloat16 halves the bytes), and
-        one reduction occupies at most `nccl_max_ctas` SMs, leaving the rest to backward."""
+                 overlap_communication: Optional[bool] = None, nccl_max_ctas: Optional[int] = None):
+        """`reduce_dtype`, `overlap_communication` and `nccl_max_ctas` (GPU models only) are this
+        library's additions: gradients of floating types travel in `reduce_dtype` (bfloat16
+        halves the bytes); buckets are reduced during backward when `overlap_communication`,
+        else all at once after it (default: overlap only when the group spans hosts, see
+        gpu_buckets.py); one reduction occupies at most `nccl_max_ctas` SMs."""
         super().__init__()
         warn_once("parallel.DistributedDataParallel", "torch.nn.parallel.DistributedDataParallel")
         self.module = module
@@ -73,7 +75,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._callback_queued = False
         tensors = list(module.parameters()) + list(module.buffers())
         if on_cuda(tensors, "DistributedDataParallel"):
-            self._init_gpu(tensors, cap, reduce_dtype, nccl_max_ctas)
+            if overlap_communication is None:
+                overlap_communication = self._engine.num_hosts > 1
+            self._init_gpu(tensors, cap, reduce_dtype, overlap_communication, nccl_max_ctas)
             return
         for name, p in self._params.items():
             check_tensor(p, f"DistributedDataParallel parameter '{name}'")
@@ -81,7 +85,7 @@ class DistributedDataParallel(torch.nn.Module):
         for name, p in self._params.items():
             p.register_post_accumulate_grad_hook(self._make_hook(name))
 
-    def _init_gpu(self, tensors, cap_mb, reduce_dtype, max_ctas) -> None:
+    def _init_gpu(self, tensors, cap_mb, reduce_dtype, overlap, max_ctas) -> None:
         device = tensors[0].device
         # Its own communicator: its stream and SM budget are the wrapper's, not the group's.
         self._gpu = CudaCollectives(self._pg._store, self._pg.rank(), self._pg.size(), device,
@@ -89,7 +93,8 @@ class DistributedDataParallel(torch.nn.Module):
                                     key=f"smddp/nccl/{self._prefix}", max_ctas=max_ctas)
         with torch.no_grad():
             self._gpu.broadcast([t.data for t in tensors], 0).wait()
-        self._gpu_buckets = GpuGradientBuckets(self._params, self._gpu, int(cap_mb * 1024 * 1024), reduce_dtype)
+        self._gpu_buckets = GpuGradientBuckets(self._params, self._gpu, int(cap_mb * 1024 * 1024), reduce_dtype,
+                                               overlap)
         for p in self._params.values():
             p.register_post_accumulate_grad_hook(self._gpu_hook)
 

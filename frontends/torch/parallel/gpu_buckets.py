@@ -2,15 +2,21 @@
 
 Gradients live in flat GPU buckets: each parameter's .grad is a view into its bucket, so
 reducing a bucket is one NCCL call on the gradients themselves, with no copy in or out.
-Buckets follow the reverse order of the parameters, the order backward produces gradients
-in; the first is small so communication starts early. A bucket is launched the moment its
-last gradient is accumulated, always in bucket order, so every rank issues the same NCCL
-sequence, on the group's own stream, overlapping the rest of backward. At the end of
-backward the caller's stream waits for the last bucket on the GPU; the host never blocks.
+
+When to reduce is a measured choice (bench/gpu_ddp_scaling.py):
+- Overlapped (the default across hosts): buckets follow the reverse order of the parameters,
+  the order backward produces gradients in, the first one small so communication starts
+  early. A bucket is launched the moment its last gradient is accumulated, always in bucket
+  order, so every rank issues the same NCCL sequence while backward goes on.
+- After backward (the default inside one host): one bucket per dtype, reduced in one NCCL
+  launch once backward is done. Over NVLink the whole reduction takes a few milliseconds at
+  full bandwidth, while NCCL kernels running beside backward take SMs from its matrix
+  multiplications and cost more than the overlap saves (the anchor transformer on 2 H200s:
+  0.66 scaling efficiency overlapped, see bench/results).
+Either way the caller's stream waits for the reduction on the GPU; the host never blocks.
 
 With `reduce_dtype` (bfloat16, say) an fp32 bucket travels in that type: it is cast on the
-group's stream, averaged by NCCL (which adds in fp32 internally), and cast back, halving
-the bytes on the wire and the time NCCL's kernels hold SMs.
+group's stream, averaged by NCCL, and cast back, halving the bytes on the wire.
 """
 from __future__ import annotations
 
@@ -20,15 +26,14 @@ import torch
 
 from smdistributed import _core
 
+from ..cuda_collectives import current_stream
 from ..tensors import core_dtype
 
 FIRST_BUCKET_BYTES = 1 << 20
 
 
 class _Bucket:
-    def __init__(self, index: int, names: List[str], params: List[torch.nn.Parameter], reduce_dtype):
-        self.index = index
-        self.names = names
+    def __init__(self, params: List[torch.nn.Parameter], reduce_dtype):
         self.params = params
         dtype, device = params[0].dtype, params[0].device
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
@@ -44,32 +49,26 @@ class _Bucket:
 
 class GpuGradientBuckets:
     def __init__(self, named_params: Dict[str, torch.nn.Parameter], collectives, bucket_cap_bytes: int,
-                 reduce_dtype: Optional[torch.dtype] = None):
+                 reduce_dtype: Optional[torch.dtype] = None, overlap: bool = True):
         self._gpu = collectives
+        self._overlap = overlap
         self._buckets: List[_Bucket] = []
         self._where: Dict[int, tuple] = {}  # id(param) -> (bucket, position)
-        names = list(named_params)[::-1]
-        cap = min(FIRST_BUCKET_BYTES, bucket_cap_bytes)
-        group: List[str] = []
+        if not overlap:
+            bucket_cap_bytes = 1 << 62  # one bucket per dtype
+        cap = min(FIRST_BUCKET_BYTES, bucket_cap_bytes) if overlap else bucket_cap_bytes
+        group: List[torch.nn.Parameter] = []
         size = 0
-
-        def close():
-            nonlocal group, size, cap
-            if group:
-                params = [named_params[n] for n in group]
-                self._buckets.append(_Bucket(len(self._buckets), group, params, reduce_dtype))
-                cap = bucket_cap_bytes
-            group, size = [], 0
-
-        for n in names:
-            p = named_params[n]
+        for p in list(named_params.values())[::-1]:
             core_dtype(p)
             nbytes = p.numel() * p.element_size()
-            if group and (size + nbytes > cap or named_params[group[0]].dtype != p.dtype):
-                close()
-            group.append(n)
+            if group and (size + nbytes > cap or group[0].dtype != p.dtype):
+                self._buckets.append(_Bucket(group, reduce_dtype))
+                group, size, cap = [], 0, bucket_cap_bytes
+            group.append(p)
             size += nbytes
-        close()
+        if group:
+            self._buckets.append(_Bucket(group, reduce_dtype))
         for b in self._buckets:
             for i, p in enumerate(b.params):
                 self._where[id(p)] = (b, i)
@@ -96,44 +95,57 @@ class GpuGradientBuckets:
                 view.copy_(p.grad)
             p.grad = view
         b.pending -= 1
-        self._launch_ready()
+        if self._overlap:
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
+        ready = []
         while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
-            self._launch(self._buckets[self._next])
+            ready.append(self._buckets[self._next])
             self._next += 1
+        if ready:
+            self._launch(ready)
 
-    def _launch(self, b: _Bucket) -> None:
+    def _launch(self, buckets: List[_Bucket]) -> None:
+        """Averages the buckets, in one NCCL launch, on the group's stream."""
         gpu = self._gpu
         gpu.begin()
         avg = _core.ReduceOp.AVERAGE
-        if b.wire is None:
-            gpu.nccl.allreduce(b.flat.data_ptr(), b.flat.data_ptr(), b.flat.numel(), core_dtype(b.flat), avg)
-        else:
-            with torch.cuda.stream(gpu.stream):
-                b.wire.copy_(b.flat)
-            gpu.nccl.allreduce(b.wire.data_ptr(), b.wire.data_ptr(), b.wire.numel(), core_dtype(b.wire), avg)
-            with torch.cuda.stream(gpu.stream):
-                b.flat.copy_(b.wire)
+        with torch.cuda.stream(gpu.stream):
+            for b in buckets:
+                if b.wire is not None:
+                    b.wire.copy_(b.flat)
+        gpu.nccl.group_start()
+        try:
+            for b in buckets:
+                t = b.flat if b.wire is None else b.wire
+                gpu.nccl.allreduce(t.data_ptr(), t.data_ptr(), t.numel(), core_dtype(t), avg)
+        finally:
+            gpu.nccl.group_end()
+        with torch.cuda.stream(gpu.stream):
+            for b in buckets:
+                if b.wire is not None:
+                    b.flat.copy_(b.wire)
         self._last_event = gpu.nccl.record()
 
     def finish(self) -> None:
-        """End of backward: parameters that got no gradient take part as zeros, every bucket
-        is launched, and the caller's stream waits for the last one."""
+        """End of backward: parameters that got no gradient take part as zeros (or with what
+        they accumulated under no_sync), every bucket is launched, and the caller's stream
+        waits for the last one."""
         for b in self._buckets[self._next:]:
             if b.pending:
                 for i, p in enumerate(b.params):
-                    if p.grad is None or p.grad is not b.views[i]:
-                        if p.grad is not None:
-                            with torch.no_grad():
+                    if p.grad is not b.views[i]:
+                        with torch.no_grad():
+                            if p.grad is not None:
                                 b.views[i].copy_(p.grad)
-                        else:
-                            b.views[i].zero_()
+                            else:
+                                b.views[i].zero_()
                         p.grad = b.views[i]
                 b.pending = 0
         self._launch_ready()
         if self._last_event is not None:
-            self._last_event.block(torch.cuda.current_stream(self._gpu.device).cuda_stream)
+            self._last_event.block(current_stream(self._gpu.device))
         for b in self._buckets:
             b.pending = len(b.params)
         self._next = 0

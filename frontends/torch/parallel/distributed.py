@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree  # noqa: F401  (tree_leaves over a forward's outputs)
 
 from smdistributed import _core
 
@@ -95,16 +96,28 @@ class DistributedDataParallel(torch.nn.Module):
             self._gpu.broadcast([t.data for t in tensors], 0).wait()
         self._gpu_buckets = GpuGradientBuckets(self._params, self._gpu, int(cap_mb * 1024 * 1024), reduce_dtype,
                                                overlap)
-        for p in self._params.values():
-            p.register_post_accumulate_grad_hook(self._gpu_hook)
+        if overlap:
+            for p in self._params.values():
+                p.register_post_accumulate_grad_hook(self._gpu_hook)
 
     def _gpu_hook(self, param: torch.Tensor) -> None:
         if not self._require_sync:
             return
+        self._queue_gpu_finish()
+        self._gpu_buckets.gradient_ready(param)
+
+    def _queue_gpu_finish(self, *_):
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_gpu_backward)
-        self._gpu_buckets.gradient_ready(param)
+
+    def _watch_outputs(self, output):
+        """Reducing after backward: a hook on the outputs (called as backward starts) queues the
+        reduction for backward's end; no hook runs per parameter."""
+        for t in torch.utils._pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._queue_gpu_finish)
+        return output
 
     def _finish_gpu_backward(self) -> None:
         self._callback_queued = False
@@ -184,4 +197,8 @@ class DistributedDataParallel(torch.nn.Module):
                         self._gpu.broadcast([b.data for b in buffers.values()], 0).wait()
                     else:
                         self._broadcast_all(f"{self._prefix}.buffer", buffers)
-        return self.module(*inputs, **kwargs)
+        output = self.module(*inputs, **kwargs)
+        if (self._gpu_buckets is not None and not self._gpu_buckets.overlap and self._require_sync
+                and torch.is_grad_enabled()):
+            output = self._watch_outputs(output)
+        return output

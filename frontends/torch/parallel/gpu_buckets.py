@@ -1,22 +1,25 @@
 """Gradient reduction of the older DistributedDataParallel for models on a GPU.
 
-Gradients live in flat GPU buckets: each parameter's .grad is a view into its bucket, so
-reducing a bucket is one NCCL call on the gradients themselves, with no copy in or out.
+Parameters are grouped into flat GPU buckets. A bucket is reduced by packing its gradients
+with one multi-tensor copy, one NCCL call on the packed buffer, and one multi-tensor copy
+back into the gradients: a constant number of host calls per bucket, however many
+parameters it holds. Host time is what bounds a step of a mid-sized model (the anchor
+transformer on an H200 spends half its step with the GPU idle, waiting for the host to
+issue kernels), so nothing here runs per parameter unless it must.
 
-When to reduce is a measured choice (bench/gpu_ddp_scaling.py):
-- Overlapped (the default across hosts): buckets follow the reverse order of the parameters,
-  the order backward produces gradients in, the first one small so communication starts
-  early. A bucket is launched the moment its last gradient is accumulated, always in bucket
+When to reduce is a measured choice (bench/gpu_ddp_scaling.py, bench/gpu_ddp_profile.py):
+- After backward (the default inside one host): one bucket per dtype, reduced once backward
+  is done. A hook on the module's output queues the work when backward starts; no per-
+  parameter hook runs. Over NVLink the reduction takes a few milliseconds at full bandwidth,
+  while NCCL kernels running beside backward would take SMs from its matrix multiplications.
+- Overlapped (the default across hosts, where the network is slow): buckets in reverse
+  parameter order (the order backward produces gradients), the first one small; a cheap
+  per-parameter hook counts arrivals and a full bucket is launched at once, always in bucket
   order, so every rank issues the same NCCL sequence while backward goes on.
-- After backward (the default inside one host): one bucket per dtype, reduced in one NCCL
-  launch once backward is done. Over NVLink the whole reduction takes a few milliseconds at
-  full bandwidth, while NCCL kernels running beside backward take SMs from its matrix
-  multiplications and cost more than the overlap saves (the anchor transformer on 2 H200s:
-  0.66 scaling efficiency overlapped, see bench/results).
 Either way the caller's stream waits for the reduction on the GPU; the host never blocks.
 
-With `reduce_dtype` (bfloat16, say) an fp32 bucket travels in that type: it is cast on the
-group's stream, averaged by NCCL, and cast back, halving the bytes on the wire.
+With `reduce_dtype` (bfloat16, say) an fp32 bucket travels in that type: packed as it is
+cast, averaged by NCCL, and cast back as it is unpacked, halving the bytes on the wire.
 """
 from __future__ import annotations
 
@@ -36,14 +39,14 @@ class _Bucket:
     def __init__(self, params: List[torch.nn.Parameter], reduce_dtype):
         self.params = params
         dtype, device = params[0].dtype, params[0].device
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
+        wire = reduce_dtype if reduce_dtype is not None and dtype.is_floating_point else dtype
+        # Packed in the wire type directly: the cast happens in the packing copy.
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=wire, device=device)
         self.views = []
         offset = 0
         for p in params:
             self.views.append(self.flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
-        self.wire = (torch.empty(self.flat.numel(), dtype=reduce_dtype, device=device)
-                     if reduce_dtype is not None and reduce_dtype != dtype and dtype.is_floating_point else None)
         self.pending = len(params)
 
 
@@ -51,12 +54,12 @@ class GpuGradientBuckets:
     def __init__(self, named_params: Dict[str, torch.nn.Parameter], collectives, bucket_cap_bytes: int,
                  reduce_dtype: Optional[torch.dtype] = None, overlap: bool = True):
         self._gpu = collectives
-        self._overlap = overlap
+        self.overlap = overlap
         self._buckets: List[_Bucket] = []
-        self._where: Dict[int, tuple] = {}  # id(param) -> (bucket, position)
+        self._where: Dict[int, _Bucket] = {}  # id(param) -> its bucket
         if not overlap:
             bucket_cap_bytes = 1 << 62  # one bucket per dtype
-        cap = min(FIRST_BUCKET_BYTES, bucket_cap_bytes) if overlap else bucket_cap_bytes
+        cap = min(FIRST_BUCKET_BYTES, bucket_cap_bytes)
         group: List[torch.nn.Parameter] = []
         size = 0
         for p in list(named_params.values())[::-1]:
@@ -70,13 +73,8 @@ class GpuGradientBuckets:
         if group:
             self._buckets.append(_Bucket(group, reduce_dtype))
         for b in self._buckets:
-            for i, p in enumerate(b.params):
-                self._where[id(p)] = (b, i)
-                # The gradient is the bucket: autograd accumulates straight into it.
-                with torch.no_grad():
-                    if p.grad is not None:
-                        b.views[i].copy_(p.grad)
-                p.grad = b.views[i]
+            for p in b.params:
+                self._where[id(p)] = b
         self._next = 0  # the next bucket to launch, in order
         self._last_event = None
 
@@ -85,17 +83,10 @@ class GpuGradientBuckets:
         return [b.flat.numel() * b.flat.element_size() for b in self._buckets]
 
     def gradient_ready(self, p: torch.nn.Parameter) -> None:
-        """Called as p's gradient is accumulated (on backward's thread and stream)."""
-        b, i = self._where[id(p)]
-        view = b.views[i]
-        if p.grad is not view:
-            # zero_grad(set_to_none=True) dropped the view; autograd made a new tensor. Put the
-            # gradient back into the bucket (one device copy) and the view back on the parameter.
-            with torch.no_grad():
-                view.copy_(p.grad)
-            p.grad = view
+        """Overlapped mode: called as p's gradient is accumulated (backward's thread)."""
+        b = self._where[id(p)]
         b.pending -= 1
-        if self._overlap:
+        if b.pending == 0:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -107,42 +98,47 @@ class GpuGradientBuckets:
             self._launch(ready)
 
     def _launch(self, buckets: List[_Bucket]) -> None:
-        """Averages the buckets, in one NCCL launch, on the group's stream."""
+        """Averages the buckets' gradients in one NCCL launch on the group's stream."""
         gpu = self._gpu
+        unpack = []
+        for b in buckets:
+            grads, views, missing = [], [], []
+            for p, v in zip(b.params, b.views):
+                if p.grad is None:
+                    missing.append((p, v))
+                else:
+                    grads.append(p.grad)
+                    views.append(v)
+            # A parameter without a gradient this step takes part as zeros, and gets them.
+            with torch.no_grad():
+                if missing:
+                    torch._foreach_zero_([v for _, v in missing])
+                if grads:
+                    torch._foreach_copy_(views, grads)  # packs (and casts) on the caller's stream
+            for p, _ in missing:
+                p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+                views.append(b.views[b.params.index(p)])
+            unpack.append((grads, views))
         gpu.begin()
         avg = _core.ReduceOp.AVERAGE
-        with torch.cuda.stream(gpu.stream):
-            for b in buckets:
-                if b.wire is not None:
-                    b.wire.copy_(b.flat)
         gpu.nccl.group_start()
         try:
             for b in buckets:
-                t = b.flat if b.wire is None else b.wire
-                gpu.nccl.allreduce(t.data_ptr(), t.data_ptr(), t.numel(), core_dtype(t), avg)
+                gpu.nccl.allreduce(b.flat.data_ptr(), b.flat.data_ptr(), b.flat.numel(), core_dtype(b.flat), avg)
         finally:
             gpu.nccl.group_end()
-        with torch.cuda.stream(gpu.stream):
-            for b in buckets:
-                if b.wire is not None:
-                    b.flat.copy_(b.wire)
+        with torch.cuda.stream(gpu.stream), torch.no_grad():
+            for grads, views in unpack:
+                if grads:
+                    torch._foreach_copy_(grads, views)
         self._last_event = gpu.nccl.record()
 
     def finish(self) -> None:
-        """End of backward: parameters that got no gradient take part as zeros (or with what
-        they accumulated under no_sync), every bucket is launched, and the caller's stream
-        waits for the last one."""
+        """End of backward: every bucket not yet launched is launched (parameters that got no
+        gradient as zeros), and the caller's stream waits for the last one."""
         for b in self._buckets[self._next:]:
-            if b.pending:
-                for i, p in enumerate(b.params):
-                    if p.grad is not b.views[i]:
-                        with torch.no_grad():
-                            if p.grad is not None:
-                                b.views[i].copy_(p.grad)
-                            else:
-                                b.views[i].zero_()
-                        p.grad = b.views[i]
-                b.pending = 0
+            b.pending = 0
         self._launch_ready()
         if self._last_event is not None:
             self._last_event.block(current_stream(self._gpu.device))

@@ -7,7 +7,8 @@ The model, data and loop are the anchor's (../shared/anchors/anchor_collectives.
 12-layer TransformerEncoder (width 1024, 16 heads, ffn 4096, 151M parameters), batch
 16 x 256 per GPU, bf16 autocast, SGD; 5 warmup and 20 timed steps. Scaling efficiency =
 one-GPU step time (the same loop without DDP, run on every GPU at once) / step time with
-DDP across the GPUs. Rank 0 prints the table and writes bench/results/gpu_ddp_scaling_<n>gpu.json.
+DDP across the GPUs. Configurations are timed in turn, --rounds times, each keeping its best
+round (and the slowest rank's time). Rank 0 prints the table and writes bench/results/gpu_ddp_scaling_<n>gpu.json.
 """
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def _hooked(ddp):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="comma-separated variant names to run")
-    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     dist.init_process_group("smddp")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -82,27 +83,24 @@ def main():
     dev = torch.device("cuda", torch.cuda.current_device())
     nccl = dist.new_group(backend="nccl")
     x = torch.randn(16, 256, 1024, device=dev)
-    model = build(dev)
-    params = sum(p.numel() for p in model.parameters())
-    single = torch.tensor([min(run(model, model.parameters(), x) for _ in range(args.rounds))], device=dev)
-    dist.all_reduce(single, op=dist.ReduceOp.MAX, group=nccl)
-    single = single.item()
-    results = {}
     wanted = [v for v in args.only.split(",") if v]
+    # Every configuration is built once, then timed in turn, round after round, the one-GPU
+    # loop among them: a host-bound step drifts with the machine's state, and interleaving
+    # gives every configuration the same conditions. Each keeps its best round.
+    configs = {"one GPU": build(dev)}
+    params = sum(p.numel() for p in configs["one GPU"].parameters())
     for name, wrap in variants(nccl):
-        if wanted and name not in wanted:
-            continue
-        model = build(dev)
-        wrapped = wrap(model)
-        step = min(run(wrapped, wrapped.parameters(), x) for _ in range(args.rounds))
-        slowest = torch.tensor([step], device=dev)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=nccl)  # the slowest rank's step
-        results[name] = dict(step_ms=slowest.item() * 1e3, scaling_eff=single / slowest.item())
-        del wrapped, model
-        torch.cuda.empty_cache()
-        if rank == 0:
-            print(f"  {name:<40} {results[name]['step_ms']:8.2f} ms  efficiency {results[name]['scaling_eff']:.3f}",
-                  flush=True)
+        if not wanted or name in wanted:
+            configs[name] = wrap(build(dev))
+    best = {name: float("inf") for name in configs}
+    for _ in range(args.rounds):
+        for name, model in configs.items():
+            best[name] = min(best[name], run(model, model.parameters(), x))
+    slowest = torch.tensor([best[name] for name in configs], device=dev, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=nccl)  # each configuration's slowest rank
+    steps = dict(zip(configs, slowest.tolist()))
+    single = steps.pop("one GPU")
+    results = {name: dict(step_ms=s * 1e3, scaling_eff=single / s) for name, s in steps.items()}
     if rank == 0:
         print(f"anchor transformer, {params / 1e6:.0f}M parameters, {n} x {torch.cuda.get_device_name(0)}, "
               f"torch {torch.__version__}; one GPU: {single * 1e3:.2f} ms/step")

@@ -115,10 +115,10 @@ class GpuGradientBuckets:
                     torch._foreach_zero_([v for _, v in missing])
                 if grads:
                     torch._foreach_copy_(views, grads)  # packs (and casts) on the caller's stream
-            for p, _ in missing:
+            for p, v in missing:
                 p.grad = torch.zeros_like(p)
                 grads.append(p.grad)
-                views.append(b.views[b.params.index(p)])
+                views.append(v)
             unpack.append((grads, views))
         gpu.begin()
         avg = _core.ReduceOp.AVERAGE

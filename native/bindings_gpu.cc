@@ -52,7 +52,8 @@ void bind_gpu(py::module_& m) {
       .def("record", &NcclGroup::record)
       .def("allreduce_after", &NcclGroup::allreduce_after, py::call_guard<py::gil_scoped_release>())
       .def("attach_engine", [](NcclGroup& g, Engine& e) { g.attach_engine(&e); }, py::keep_alive<1, 2>())
-      .def("watch_check", &NcclGroup::watch_check)
+      .def("check", [](NcclGroup& g, const std::string& kind, OpType op, DType dtype, const std::vector<int64_t>& shape,
+                       ReduceOp reduce, int root) { g.check(kind.c_str(), op, dtype, shape, reduce, root); })
       .def("error", &NcclGroup::error)
       .def("abort", &NcclGroup::abort, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &NcclGroup::shutdown, py::call_guard<py::gil_scoped_release>());

@@ -246,7 +246,8 @@ std::shared_ptr<GpuEvent> NcclGroup::record() {
 }
 
 std::shared_ptr<GpuEvent> NcclGroup::allreduce_after(uintptr_t caller, uintptr_t in, uintptr_t out, size_t count,
-                                                     DType dtype, ReduceOp op) {
+                                                     DType dtype, ReduceOp op, const std::vector<int64_t>& shape) {
+  check("allreduce", OpType::kAllreduce, dtype, shape, op, 0);
   wait_for(caller);
   allreduce(in, out, count, dtype, op);
   return record();
@@ -257,7 +258,25 @@ void NcclGroup::attach_engine(Engine* engine) {
   engine_ = engine;
 }
 
-void NcclGroup::watch_check(uint64_t handle) {
+void NcclGroup::check(const char* kind, OpType op, DType dtype, const std::vector<int64_t>& shape, ReduceOp reduce,
+                      int root) {
+  Engine* engine;
+  uint64_t n;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine = engine_;
+    n = checks_made_++;
+  }
+  if (!engine) return;
+  Signature sig;
+  sig.op = op;
+  sig.dtype = dtype;
+  sig.reduce_op = reduce;
+  sig.root = root;
+  sig.shape = shape;
+  sig.check_only = true;
+  const uint64_t handle =
+      engine->submit("cuda." + std::to_string(n) + "." + kind, sig, nullptr, nullptr, 0, 0, {});
   bool was_idle;
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -99,14 +99,17 @@ class NcclGroup {
   std::shared_ptr<GpuEvent> record();
   // The latency path of the most common call, in one crossing: wait_for, allreduce, record.
   std::shared_ptr<GpuEvent> allreduce_after(uintptr_t caller, uintptr_t in, uintptr_t out, size_t count, DType dtype,
-                                            ReduceOp op);
+                                            ReduceOp op, const std::vector<int64_t>& shape);
 
   // Argument checks: the frontend negotiates each collective's signature through the CPU
   // engine (check_only) while NCCL runs it; when ranks disagree, or a peer dies, the engine
   // fails the check and the watchdog aborts the communicator with the engine's message, so
   // a mismatched call raises on every rank instead of hanging in NCCL.
   void attach_engine(Engine* engine);
-  void watch_check(uint64_t handle);
+  // Negotiates one collective's signature, named cuda.<n>.<kind> in call order; no-op until an
+  // engine is attached.
+  void check(const char* kind, OpType op, DType dtype, const std::vector<int64_t>& shape, ReduceOp reduce,
+             int root);
 
   std::string error() const;
   void abort(const std::string& reason);
@@ -134,6 +137,7 @@ class NcclGroup {
   };
   std::deque<Outstanding> outstanding_;
   Engine* engine_ = nullptr;
+  uint64_t checks_made_ = 0;
   std::deque<uint64_t> checks_;
   std::string error_;
   bool stop_ = false;

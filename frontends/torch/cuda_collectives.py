@@ -13,7 +13,6 @@ before its send (legal with isend/irecv) would block its own stream.
 """
 from __future__ import annotations
 
-import itertools
 import os
 from typing import List, Optional, Sequence
 
@@ -123,16 +122,11 @@ class CudaCollectives:
         CPU engine, check_only): ranks that disagree on shape, dtype, op or root, or a rank that
         dies, make the communicator abort with a message naming what differs, on every rank."""
         self._engine = engine
-        self._checks = itertools.count()
         self.nccl.attach_engine(engine)
 
     def _verify(self, op, t: torch.Tensor, kind: str, reduce=CoreOp.SUM, root: int = 0, shape=None) -> None:
-        if self._engine is None:
-            return
-        h = self._engine.submit(op=op, name=f"cuda.{next(self._checks)}.{kind}", in_ptr=0, out_ptr=0, count=0,
-                                out_capacity=0, dtype=core_dtype(t), shape=list(t.shape) if shape is None else shape,
-                                reduce_op=reduce, root=root, check_only=True)
-        self.nccl.watch_check(h)
+        if self._engine is not None:
+            self.nccl.check(kind, op, core_dtype(t), list(t.shape) if shape is None else shape, reduce, root)
 
     # -- launching --------------------------------------------------------------------------
     def check(self, tensors: Sequence[torch.Tensor], what: str) -> None:
@@ -172,9 +166,10 @@ class CudaCollectives:
         """The latency path: one contiguous tensor, one crossing into the core."""
         if t.device != self.device or not t.is_contiguous() or self._p2p or t.is_sparse:
             return self.allreduce([t], op)
-        self._verify(OpType.ALLREDUCE, t, "allreduce", op)
         ptr = t.data_ptr()
-        event = self.nccl.allreduce_after(current_stream(self.device), ptr, ptr, t.numel(), core_dtype(t), op)
+        # The argument check happens inside, in the same crossing (when checks are on).
+        event = self.nccl.allreduce_after(current_stream(self.device), ptr, ptr, t.numel(), core_dtype(t), op,
+                                          list(t.shape))
         t.record_stream(self.stream)
         return CudaWork(self, event, [t])
 

@@ -16,6 +16,7 @@ from world import WORKERS, assert_all_ok, run_world  # noqa: E402
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+WORLD = min(max(GPUS, 2), 4)  # one rank per GPU, up to 4
 
 
 def test_no_nccl_is_a_clear_error_not_a_crash():
@@ -39,15 +40,15 @@ def test_cuda_tensor_without_nccl_raises():
 def test_cuda_every_collective_and_dtype():
     """The CPU suite's torch_collectives worker, on GPUs: every collective x dtype x async mode,
     non-contiguous tensors, inputs dropped while in flight, bad input."""
-    results = run_world(2, "torch_collectives.py", gpus=True, timeout=600)
+    results = run_world(WORLD, "torch_collectives.py", gpus=True, timeout=600)
     assert_all_ok(results)
     for r in results:
-        assert "TORCH COLLECTIVES OK world=2" in r.stdout, r.output
+        assert f"TORCH COLLECTIVES OK world={WORLD}" in r.stdout, r.output
 
 
 @needs_two_gpus
 def test_cuda_results_equal_torch_nccl():
-    results = run_world(2, "torch_cuda_vs_nccl.py", gpus=True, timeout=600)
+    results = run_world(WORLD, "torch_cuda_vs_nccl.py", gpus=True, timeout=600)
     assert_all_ok(results)
     assert all("CUDA VS NCCL OK" in r.stdout for r in results)
 
@@ -56,7 +57,7 @@ def test_cuda_results_equal_torch_nccl():
 def test_cuda_ddp_matches_single_process():
     from test_torch_ddp import DDP_VARIANTS
 
-    results = run_world(2, "torch_ddp.py", DDP_VARIANTS, gpus=True, timeout=600)
+    results = run_world(WORLD, "torch_ddp.py", DDP_VARIANTS, gpus=True, timeout=600)
     assert_all_ok(results)
     for r in results:
         assert "DDP OK" in r.stdout, r.output
@@ -64,7 +65,7 @@ def test_cuda_ddp_matches_single_process():
 
 @needs_two_gpus
 def test_cuda_fsdp_matches_single_process():
-    results = run_world(2, "torch_fsdp.py", gpus=True, timeout=600)
+    results = run_world(WORLD, "torch_fsdp.py", gpus=True, timeout=600)
     assert_all_ok(results)
     assert all("FSDP OK" in r.stdout for r in results)
 
@@ -72,7 +73,7 @@ def test_cuda_fsdp_matches_single_process():
 @needs_two_gpus
 @pytest.mark.parametrize("case", ["api", "ddp", "ddp-nosync", "ddp-unused", "ddp-buffers"])
 def test_cuda_legacy_api_and_ddp(case):
-    results = run_world(2, "torch_legacy.py", [case], gpus=True, timeout=600)
+    results = run_world(WORLD, "torch_legacy.py", [case], gpus=True, timeout=600)
     assert_all_ok(results)
 
 

@@ -17,7 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch_common import randn, relative_error, use_test_device
 
-GLOBAL_BATCH = 12  # divides over 2 and 3 ranks, and in halves for no_sync's micro-steps
+GLOBAL_BATCH = 24  # divides over 2, 3 and 4 ranks, and in halves for no_sync's micro-steps
 IN, HIDDEN, OUT = 8, 16, 3
 STEPS = 5
 LR = 0.1

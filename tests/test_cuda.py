@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from world import WORKERS, assert_all_ok, run_world  # noqa: E402
+from world import assert_all_ok, run_world  # noqa: E402
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")

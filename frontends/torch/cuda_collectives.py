@@ -144,7 +144,8 @@ class CudaCollectives:
         self.nccl.wait_for(current_stream(self.device))
 
     def end(self, used: Sequence[torch.Tensor], result) -> CudaWork:
-        for t in used:
+        # A contiguous tensor is its own stand-in: record each storage user once.
+        for t in {id(t): t for t in used}.values():
             t.record_stream(self.stream)
         return CudaWork(self, self.nccl.record(), result)
 

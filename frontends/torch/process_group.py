@@ -119,12 +119,19 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if not on_cuda(tensors, what):
             return None
         if self._cuda_collectives is None:
-            timeout = self._timeout_s if self._timeout_s > 0 else float(os.environ.get("SMDDP_TIMEOUT", "1800"))
             device = next(t.device for t in tensors if isinstance(t, torch.Tensor))
-            self._cuda_collectives = CudaCollectives(self._store, self.rank(), self.size(), device, timeout)
+            self._cuda_collectives = CudaCollectives(self._store, self.rank(), self.size(), device,
+                                                     self.gpu_timeout_s())
             if self._cuda_checks:
                 self._cuda_collectives.check_arguments_with(self._engine)
         return self._cuda_collectives
+
+    def gpu_timeout_s(self) -> float:
+        """How long a batch of NCCL work may run before the watchdog aborts it: the group's
+        timeout, else SMDDP_TIMEOUT when set, else torch's default of 30 minutes."""
+        if self._timeout_s > 0:
+            return self._timeout_s
+        return float(os.environ.get("SMDDP_TIMEOUT", default_pg_timeout.total_seconds()))
 
     def _name(self, kind: str) -> str:
         with self._seq_lock:

@@ -90,8 +90,7 @@ class DistributedDataParallel(torch.nn.Module):
         device = tensors[0].device
         # Its own communicator: its stream and SM budget are the wrapper's, not the group's.
         self._gpu = CudaCollectives(self._pg._store, self._pg.rank(), self._pg.size(), device,
-                                    self._pg._timeout_s if self._pg._timeout_s > 0 else 1800.0,
-                                    key=f"smddp/nccl/{self._prefix}", max_ctas=max_ctas)
+                                    self._pg.gpu_timeout_s(), key=f"smddp/nccl/{self._prefix}", max_ctas=max_ctas)
         with torch.no_grad():
             self._gpu.broadcast([t.data for t in tensors], 0).wait()
         self._gpu_buckets = GpuGradientBuckets(self._params, self._gpu, int(cap_mb * 1024 * 1024), reduce_dtype,

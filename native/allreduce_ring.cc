@@ -64,6 +64,14 @@ void allreduce(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op, co
   } else if (comm.num_hosts() == 1) {
     algo = "shm";
     allreduce_shm(comm, buf, count, dtype, op, comm.size());
+  } else if (is_half_precision(dtype)) {
+    // Across hosts a sum is reduced in several steps (inside each host, then at every ring
+    // hop); each would round to 16 bits. Reduce in float32 and round once at the end, as
+    // on one host (twice the bytes on the wire, the price of the documented precision).
+    std::vector<float> wide(count);
+    widen_to_float32(buf, wide.data(), count, dtype);
+    allreduce(comm, wide.data(), count, DType::kFloat32, op, &algo);
+    narrow_from_float32(wide.data(), buf, count, dtype);
   } else {
     const std::string& choice = comm.config().algorithm;
     // Measured (bench/allreduce_algorithms.py): the hierarchical algorithm's fewer TCP hops

@@ -132,6 +132,10 @@ void Engine::wait(uint64_t handle, double timeout_s, bool keep) {
   auto it = handles_.find(handle);
   if (it == handles_.end()) throw Error("unknown or already released handle " + std::to_string(handle));
   auto e = it->second;
+  if (batch_depth_ > 0 && !e->done) {
+    flush_batch_ = true;
+    wake_engine();
+  }
   // A short spin first: back-to-back small collectives finish within microseconds and a
   // condition-variable sleep would double their latency.
   auto spin_until = Clock::now() + std::chrono::microseconds(config_.spin_us < 200 ? config_.spin_us : 200);

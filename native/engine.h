@@ -87,7 +87,8 @@ class Engine {
                   size_t out_capacity, const std::vector<int64_t>& per_rank);
   uint64_t submit_p2p(bool is_send, int peer, int64_t tag, void* buf, size_t bytes);
   // Operations submitted between begin_batch() and end_batch() reach the engine together,
-  // so they are announced in one message and, once every rank's batch is in, fused.
+  // so they are announced in one message and, once every rank's batch is in, fused. Waiting
+  // on one of them before end_batch() announces what the batch holds so far.
   void begin_batch();
   void end_batch();
 
@@ -161,6 +162,9 @@ class Engine {
   std::atomic<int64_t> fusion_bytes_{0};
   std::deque<std::shared_ptr<Entry>> incoming_;
   int batch_depth_ = 0;  // >0: incoming_ is held back (guarded by mutex_)
+  // Someone waits on an operation a batch still holds: announce what it holds so far, or the
+  // wait (a synchronous call inside the batch) would never return.
+  bool flush_batch_ = false;
   std::unordered_map<uint64_t, std::shared_ptr<Entry>> handles_;
   std::string abort_message_;
   uint64_t next_handle_ = 1;

@@ -29,7 +29,8 @@ bool Engine::announce_new_entries() {
   std::deque<std::shared_ptr<Entry>> fresh;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (batch_depth_ > 0) return false;
+    if (batch_depth_ > 0 && !flush_batch_) return false;
+    flush_batch_ = false;
     fresh.swap(incoming_);
   }
   if (fresh.empty()) return false;

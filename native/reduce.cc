@@ -82,53 +82,43 @@ inline A combine(A a, A b) {
   else return b > a ? b : a;
 }
 
+// AVERAGE's rule: floats divide the sum by the divisor once (IEEE division, one rounding, as
+// numpy's sum / n); integers truncate toward zero.
 template <typename A>
 inline A divide(A v, int divisor) {
-  if constexpr (std::is_floating_point_v<A>) return v * (A(1) / A(divisor));
+  if constexpr (std::is_floating_point_v<A>) return v / A(divisor);
   else return A(v / A(divisor));
-}
-
-// Element-wise d[i] = a[i] (op) b[i]: the streaming kernel every large allreduce spends its
-// time in. d may alias a or b (same index only), which the compiler's vectoriser allows.
-template <typename T, ReduceOp OP>
-void combine_pair(T* d, const T* a, const T* b, size_t n) {
-  for (size_t i = 0; i < n; ++i) d[i] = combine<OP>(a[i], b[i]);
 }
 
 constexpr size_t kBlock = 1024;
 
+// Block by block: every source's block is read into a cache-resident accumulator before
+// the block of dst is written, so dst may alias any source (the staging allreduce writes
+// its result into its own slot, one of the sources). Sources are combined in the order
+// given, left to right, whatever the block. float16/bfloat16 accumulate in float32 and
+// round once.
 template <typename T, ReduceOp OP>
 void reduce_many_t(T* dst, const void* const* srcs, int k, size_t count, int divisor) {
   using Tr = Traits<T>;
   using A = typename Tr::acc;
-  if constexpr (std::is_same_v<A, T>) {
-    // Same-precision types: pairwise passes (the sources are cache-sized blocks in practice).
-    const T* s0 = static_cast<const T*>(srcs[0]);
+  A acc[kBlock];
+  for (size_t base = 0; base < count; base += kBlock) {
+    const size_t n = std::min(kBlock, count - base);
+    const T* s0 = static_cast<const T*>(srcs[0]) + base;
     if (k == 1) {
-      if (dst != s0) std::memmove(dst, s0, count * sizeof(T));
+      for (size_t i = 0; i < n; ++i) acc[i] = Tr::load(s0[i]);
     } else {
-      combine_pair<T, OP>(dst, s0, static_cast<const T*>(srcs[1]), count);
-      for (int j = 2; j < k; ++j) combine_pair<T, OP>(dst, dst, static_cast<const T*>(srcs[j]), count);
+      const T* s1 = static_cast<const T*>(srcs[1]) + base;
+      for (size_t i = 0; i < n; ++i) acc[i] = combine<OP>(Tr::load(s0[i]), Tr::load(s1[i]));
+    }
+    for (int j = 2; j < k; ++j) {
+      const T* s = static_cast<const T*>(srcs[j]) + base;
+      for (size_t i = 0; i < n; ++i) acc[i] = combine<OP>(acc[i], Tr::load(s[i]));
     }
     if constexpr (OP == ReduceOp::kAverage)
-      for (size_t i = 0; i < count; ++i) dst[i] = divide(dst[i], divisor);
-    return;
-  } else {
-    // 16-bit floats accumulate in float32 over all sources and round once.
-    A acc[kBlock];
-    for (size_t base = 0; base < count; base += kBlock) {
-      size_t n = std::min(kBlock, count - base);
-      const T* s0 = static_cast<const T*>(srcs[0]) + base;
-      for (size_t i = 0; i < n; ++i) acc[i] = Tr::load(s0[i]);
-      for (int j = 1; j < k; ++j) {
-        const T* s = static_cast<const T*>(srcs[j]) + base;
-        for (size_t i = 0; i < n; ++i) acc[i] = combine<OP>(acc[i], Tr::load(s[i]));
-      }
-      if constexpr (OP == ReduceOp::kAverage)
-        for (size_t i = 0; i < n; ++i) acc[i] = divide(acc[i], divisor);
-      T* d = dst + base;
-      for (size_t i = 0; i < n; ++i) d[i] = Tr::store(acc[i]);
-    }
+      for (size_t i = 0; i < n; ++i) acc[i] = divide(acc[i], divisor);
+    T* d = dst + base;
+    for (size_t i = 0; i < n; ++i) d[i] = Tr::store(acc[i]);
   }
 }
 
@@ -184,6 +174,32 @@ void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp
 void scale_average(void* dst, size_t count, DType dtype, int divisor) {
   const void* srcs[1] = {dst};
   reduce_many(dst, srcs, 1, count, dtype, ReduceOp::kAverage, divisor);
+}
+
+bool is_half_precision(DType dtype) { return dtype == DType::kFloat16 || dtype == DType::kBFloat16; }
+
+void widen_to_float32(const void* src, float* dst, size_t count, DType dtype) {
+  if (dtype == DType::kFloat16) {
+    const half_t* s = static_cast<const half_t*>(src);
+    for (size_t i = 0; i < count; ++i) dst[i] = half_to_float(s[i]);
+  } else if (dtype == DType::kBFloat16) {
+    const bf16_t* s = static_cast<const bf16_t*>(src);
+    for (size_t i = 0; i < count; ++i) dst[i] = bf16_to_float(s[i]);
+  } else {
+    throw Error("widen_to_float32: not a 16-bit float dtype");
+  }
+}
+
+void narrow_from_float32(const float* src, void* dst, size_t count, DType dtype) {
+  if (dtype == DType::kFloat16) {
+    half_t* d = static_cast<half_t*>(dst);
+    for (size_t i = 0; i < count; ++i) d[i] = float_to_half(src[i]);
+  } else if (dtype == DType::kBFloat16) {
+    bf16_t* d = static_cast<bf16_t*>(dst);
+    for (size_t i = 0; i < count; ++i) d[i] = float_to_bf16(src[i]);
+  } else {
+    throw Error("narrow_from_float32: not a 16-bit float dtype");
+  }
 }
 
 void scale_by(void* dst, size_t count, DType dtype, double factor) {

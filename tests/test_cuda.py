@@ -102,3 +102,23 @@ def test_cuda_dead_peer_raises():
     assert results[1].returncode == 3
     assert results[0].returncode == 0, results[0].output
     assert "rank 1" in results[0].stdout, results[0].output
+
+
+LEGACY_VS_NCCL = {
+    # model: variants run in one world (each a fresh pair of models)
+    "resnet": "default,overlap,after,small-buckets,bf16,nosync,unused,no-buffers",
+    "transformer": "default,overlap,bf16",
+    "mlp": "default,nosync,unused",
+}
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("model", list(LEGACY_VS_NCCL))
+def test_cuda_legacy_ddp_gradients_equal_torch_ddp_nccl(model):
+    """The older DistributedDataParallel's gradients, parameters and buffers equal torch DDP's
+    over NCCL after every one of 5 steps, for every option, on models whose first layers'
+    gradients come last in backward (a reduction racing backward reads them unfinished)."""
+    results = run_world(WORLD, "torch_legacy_vs_nccl.py", [model, LEGACY_VS_NCCL[model]], gpus=True, timeout=600)
+    assert_all_ok(results)
+    for r in results:
+        assert r.stdout.count("LEGACY VS NCCL OK") == len(LEGACY_VS_NCCL[model].split(",")), r.output

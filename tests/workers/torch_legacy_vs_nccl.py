@@ -1,0 +1,186 @@
+"""The older DistributedDataParallel on GPUs against torch's DDP over NCCL, step by step.
+
+Two copies of one model start from the same weights on every rank: one wrapped in
+smdistributed's DistributedDataParallel (its own NCCL communicator, buckets reduced after
+or during backward), one in torch.nn.parallel.DistributedDataParallel on a torch NCCL group.
+Each rank feeds both the same batch (its own, different from other ranks'). After every
+backward, every parameter's gradient must equal torch DDP's (within the rounding of a
+different reduction order: NCCL may sum in another order on another communicator, or
+within bfloat16's rounding with `reduce_dtype`); after every optimizer step, every parameter
+and buffer must too. Local gradients are computed with deterministic kernels, so any other
+difference is the wrapper's.
+
+The models are chosen so that the first layers' gradients come last and late (a ResNet with
+BatchNorm at a batch that keeps the GPU busy, a transformer, an MLP): a reduction that does
+not wait for the end of backward reads some of them unfinished.
+
+usage: torch_legacy_vs_nccl.py MODEL VARIANT[,VARIANT...] [STEPS]
+  MODEL:   resnet | transformer | mlp
+  VARIANT: default | overlap | after | small-buckets | bf16 | nosync | unused | no-buffers
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401  (registers "smddp")
+from smdistributed.dataparallel.torch.parallel.distributed import DistributedDataParallel as LegacyDDP
+
+MODEL, VARIANTS = sys.argv[1], sys.argv[2].split(",")
+STEPS = int(sys.argv[3]) if len(sys.argv) > 3 else 5
+
+
+def build_model(seed):
+    torch.manual_seed(seed)
+    if MODEL == "resnet":
+        try:
+            import torchvision
+            return torchvision.models.resnet50(num_classes=10), (16, 3, 64, 64), 10
+        except ImportError:  # a ResNet-shaped convnet with BatchNorm, first layers last in backward
+            layers = [torch.nn.Conv2d(3, 64, 7, 2, 3), torch.nn.BatchNorm2d(64), torch.nn.ReLU()]
+            for _ in range(8):
+                layers += [torch.nn.Conv2d(64, 64, 3, 1, 1), torch.nn.BatchNorm2d(64), torch.nn.ReLU()]
+            layers += [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(64, 10)]
+            return torch.nn.Sequential(*layers), (16, 3, 64, 64), 10
+    if MODEL == "transformer":
+        layer = torch.nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.0, batch_first=True)
+        body = torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False)
+        return torch.nn.Sequential(body, torch.nn.Flatten(), torch.nn.Linear(256 * 32, 10)), (8, 32, 256), 10
+    return torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 2048),
+                               torch.nn.GELU(), torch.nn.Linear(2048, 10)), (64, 512), 10
+
+
+class WithUnused(torch.nn.Module):
+    """A branch no forward uses on odd steps: its parameters get no gradient then."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+        self.sometimes = torch.nn.Linear(10, 10)
+        self.use_branch = True
+
+    def forward(self, x):
+        y = self.body(x)
+        return self.sometimes(y) if self.use_branch else y
+
+
+REPORT_ONLY = os.environ.get("SMDDP_TEST_REPORT_ONLY") == "1"  # print every difference, raise none
+
+
+def compare(what, ours, theirs, tol):
+    """Largest difference of two dicts of tensors relative to each tensor's scale."""
+    worst = (0.0, None)
+    beyond = []
+    for name, a in ours.items():
+        b = theirs[name]
+        if not a.is_floating_point():
+            assert torch.equal(a, b), f"{what} {name}: {a} vs {b}"
+            continue
+        scale = b.abs().max().item()
+        err = (a.double() - b.double()).abs().max().item()
+        rel = err / scale if scale > 0 else err
+        if rel > worst[0]:
+            worst = (rel, name)
+        if rel > tol:
+            bad = int(((a - b).abs() > tol * scale).sum())
+            message = (f"{what} '{name}': max |ours - torch DDP| = {err:.3g} ({rel:.3g} of its scale "
+                       f"{scale:.3g}), {bad} of {a.numel()} elements beyond {tol:g}")
+            if not REPORT_ONLY:
+                raise AssertionError(message)
+            beyond.append(name)
+    if REPORT_ONLY and beyond:
+        print(f"{what}: {len(beyond)} of {len(ours)} beyond {tol:g}, worst {worst[0]:.3g} ({worst[1]}); "
+              f"first: {beyond[:4]}", flush=True)
+    return worst
+
+
+def run_variant(VARIANT, rank, device, nccl):
+    def seeded_model():
+        model, shape, classes = build_model(0)
+        return (WithUnused(model) if VARIANT == "unused" else model), shape, classes
+
+    body, shape, classes = seeded_model()
+    ref_body, _, _ = seeded_model()
+    body, ref_body = body.to(device), ref_body.to(device)
+    kwargs = {}
+    if VARIANT == "overlap":
+        kwargs["overlap_communication"] = True
+    if VARIANT == "after":
+        kwargs["overlap_communication"] = False
+    if VARIANT == "small-buckets":
+        kwargs.update(bucket_cap_mb=1, overlap_communication=True)
+    if VARIANT == "bf16":
+        kwargs["reduce_dtype"] = torch.bfloat16
+    buffers = VARIANT != "no-buffers"
+    ours = LegacyDDP(body, broadcast_buffers=buffers, **kwargs)
+    theirs = torch.nn.parallel.DistributedDataParallel(ref_body, device_ids=[device.index] if device.index is not None
+                                                       else None, process_group=nccl,
+                                                       broadcast_buffers=buffers,
+                                                       find_unused_parameters=VARIANT == "unused")
+    # Momentum makes a wrong gradient persist. Not with unused parameters: torch DDP leaves a
+    # gradient no rank produced as None (SGD skips it), the wrapper reduces it as zeros.
+    momentum = 0.0 if VARIANT == "unused" else 0.9
+    opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=momentum)
+    ref_opt = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=momentum)
+    tol = 2e-2 if VARIANT == "bf16" else 2e-5
+    micro_steps = 2 if VARIANT == "nosync" else 1
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)  # this rank's own batches
+    worst = (0.0, None)
+    for step in range(STEPS):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        if VARIANT == "unused":
+            body.use_branch = ref_body.use_branch = step % 2 == 0
+        for micro in range(micro_steps):
+            x = torch.randn(*shape, generator=g).to(device)
+            y = torch.randint(0, classes, (shape[0],), generator=g).to(device)
+            last = micro == micro_steps - 1
+            for model in (ours, theirs):
+                loss = torch.nn.functional.cross_entropy(model(x), y) / micro_steps
+                if last:
+                    loss.backward()
+                else:
+                    with model.no_sync():
+                        loss.backward()
+        grads = {n: p.grad for n, p in body.named_parameters() if p.grad is not None}
+        ref_grads = {n: p.grad for n, p in ref_body.named_parameters() if p.grad is not None}
+        if VARIANT != "unused":  # torch DDP leaves unused parameters' grads as None, ours zeros
+            assert grads.keys() == ref_grads.keys(), sorted(set(grads) ^ set(ref_grads))
+        ref_grads = {n: t for n, t in ref_grads.items()}
+        grads = {n: grads[n] for n in ref_grads}
+        worst = max(worst, compare(f"step {step} gradient of", grads, ref_grads, tol), key=lambda w: w[0])
+        opt.step()
+        ref_opt.step()
+        worst = max(worst, compare(f"step {step} parameter", dict(body.named_parameters()),
+                                   dict(ref_body.named_parameters()), tol), key=lambda w: w[0])
+        worst = max(worst, compare(f"step {step} buffer", dict(body.named_buffers()),
+                                   dict(ref_body.named_buffers()), tol), key=lambda w: w[0])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"rank {rank}: LEGACY VS NCCL OK {MODEL} {VARIANT}: {STEPS} steps, worst relative difference "
+          f"{worst[0]:.2g} ({worst[1]})", flush=True)
+
+
+def main():
+    dist.init_process_group("smddp")
+    rank = dist.get_rank()
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:  # the same comparison on CPU (the engine's path) against torch DDP on Gloo
+        device = torch.device("cpu")
+    # Deterministic local computation: both copies' local gradients are then bit-identical, so
+    # every difference comes from the reduction.
+    # (SMDDP_TEST_NONDETERMINISTIC=1 keeps torch's defaults, to see how far they alone differ.)
+    if os.environ.get("SMDDP_TEST_NONDETERMINISTIC") != "1":
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    nccl = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo")
+    for variant in VARIANTS:
+        run_variant(variant, rank, device, nccl)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -106,8 +106,8 @@ def test_cuda_dead_peer_raises():
 
 LEGACY_VS_NCCL = {
     # model: variants run in one world (each a fresh pair of models)
-    "resnet": "default,overlap,after,small-buckets,bf16,nosync,unused,no-buffers",
-    "transformer": "default,overlap,bf16",
+    "resnet": "default,overlap,after,small-buckets,bf16,nosync,unused,no-buffers,torch-ddp-smddp",
+    "transformer": "default,overlap,bf16,torch-ddp-smddp",
     "mlp": "default,nosync,unused",
 }
 

@@ -15,8 +15,10 @@ BatchNorm at a batch that keeps the GPU busy, a transformer, an MLP): a reductio
 not wait for the end of backward reads some of them unfinished.
 
 usage: torch_legacy_vs_nccl.py MODEL VARIANT[,VARIANT...] [STEPS]
-  MODEL:   resnet | transformer | mlp
+  MODEL:   resnet | transformer | mlp | small-mlp
   VARIANT: default | overlap | after | small-buckets | bf16 | nosync | unused | no-buffers
+           | torch-ddp-smddp (torch's DDP on the smddp backend in place of the wrapper)
+           | control (torch DDP on NCCL in place of the wrapper: two identical runs)
 """
 import os
 import sys
@@ -47,6 +49,9 @@ def build_model(seed):
         layer = torch.nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.0, batch_first=True)
         body = torch.nn.TransformerEncoder(layer, 6, enable_nested_tensor=False)
         return torch.nn.Sequential(body, torch.nn.Flatten(), torch.nn.Linear(256 * 32, 10)), (8, 32, 256), 10
+    if MODEL == "small-mlp":  # for the CPU suite
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
+                                   torch.nn.GELU(), torch.nn.Linear(256, 10)), (32, 64), 10
     return torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 2048),
                                torch.nn.GELU(), torch.nn.Linear(2048, 10)), (64, 512), 10
 
@@ -113,14 +118,26 @@ def run_variant(VARIANT, rank, device, nccl):
     if VARIANT == "bf16":
         kwargs["reduce_dtype"] = torch.bfloat16
     buffers = VARIANT != "no-buffers"
-    ours = LegacyDDP(body, broadcast_buffers=buffers, **kwargs)
-    theirs = torch.nn.parallel.DistributedDataParallel(ref_body, device_ids=[device.index] if device.index is not None
-                                                       else None, process_group=nccl,
-                                                       broadcast_buffers=buffers,
-                                                       find_unused_parameters=VARIANT == "unused")
-    # Momentum makes a wrong gradient persist. Not with unused parameters: torch DDP leaves a
-    # gradient no rank produced as None (SGD skips it), the wrapper reduces it as zeros.
-    momentum = 0.0 if VARIANT == "unused" else 0.9
+    device_ids = [device.index] if device.index is not None else None
+
+    def torch_ddp(module, group):
+        return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, process_group=group,
+                                                         broadcast_buffers=buffers,
+                                                         find_unused_parameters=VARIANT == "unused")
+
+    if VARIANT == "control":  # torch DDP against itself: how far two identical runs differ
+        ours = torch_ddp(body, nccl)
+    elif VARIANT == "torch-ddp-smddp":  # the backend under torch's own DDP
+        ours = torch_ddp(body, dist.group.WORLD)
+    else:
+        ours = LegacyDDP(body, broadcast_buffers=buffers, **kwargs)
+    theirs = torch_ddp(ref_body, nccl)
+    if VARIANT == "bf16":  # the same wire type on torch's side: its bfloat16 compression hook
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
+        theirs.register_comm_hook(nccl, bf16_compress_hook)
+    # bfloat16 rounding is amplified step after step (BatchNorm models on random data are
+    # chaotic): without momentum, each step starts from the wrapper's state (resync below).
+    momentum = 0.0 if VARIANT in ("unused", "bf16") else 0.9
     opt = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=momentum)
     ref_opt = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=momentum)
     tol = 2e-2 if VARIANT == "bf16" else 2e-5
@@ -156,6 +173,8 @@ def run_variant(VARIANT, rank, device, nccl):
                                    dict(ref_body.named_parameters()), tol), key=lambda w: w[0])
         worst = max(worst, compare(f"step {step} buffer", dict(body.named_buffers()),
                                    dict(ref_body.named_buffers()), tol), key=lambda w: w[0])
+        if VARIANT == "bf16":
+            ref_body.load_state_dict(body.state_dict())
     if device.type == "cuda":
         torch.cuda.synchronize()
     print(f"rank {rank}: LEGACY VS NCCL OK {MODEL} {VARIANT}: {STEPS} steps, worst relative difference "

@@ -57,6 +57,11 @@ const std::vector<ConfigVar>& config_table() {
        "1: every collective on CUDA tensors is also negotiated (its signature only) through the CPU "
        "engine, so ranks that disagree on shape, dtype, op or root, or a dead rank, abort NCCL with "
        "a message naming the difference instead of hanging; 0: off (saves a few microseconds a call)"},
+      {"SMDDP_CONSISTENCY_CHECK", "1",
+       "1: once per training loop (the second gradient reduction of each TensorFlow tape or "
+       "optimizer, and after the second batch of model.fit with the broadcast callback) the ranks "
+       "compare checksums of their trainable variables and raise, naming the first that differs, "
+       "if they do not hold the same model; 0: off"},
       {"SMDDP_NCCL_MIN_CTAS", "", "fewest thread blocks one NCCL collective of smddp uses; empty: NCCL's choice"},
       {"SMDDP_HOST", "",
        "overrides the host name used to group ranks into hosts (tests simulate several hosts "

@@ -90,35 +90,46 @@ inline A divide(A v, int divisor) {
   else return A(v / A(divisor));
 }
 
-constexpr size_t kBlock = 1024;
+// Elements per block. Against whole-range pairwise passes (one core, float32, 3 sources), 2048
+// was 1.1-1.6x faster for cache-resident pieces (16K-256K elements, what the collectives
+// reduce per call) and 0.85x for 4M-element sources that stream from memory.
+constexpr size_t kBlock = 2048;
 
-// Block by block: every source's block is read into a cache-resident accumulator before
-// the block of dst is written, so dst may alias any source (the staging allreduce writes
-// its result into its own slot, one of the sources). Sources are combined in the order
-// given, left to right, whatever the block. float16/bfloat16 accumulate in float32 and
-// round once.
+// Block by block: the sources are combined left to right into a cache-resident accumulator,
+// and the last source is combined as the block of dst is written. So dst may alias any
+// source: each source's block is read before that block of dst is written (the staging
+// allreduce writes its result into its own slot, one of the sources). Writing dst in the
+// last pass, not copying the accumulator out, keeps two-source reductions (reduce_into) at
+// the speed of a plain vector add. float16/bfloat16 accumulate in float32 and round once.
 template <typename T, ReduceOp OP>
 void reduce_many_t(T* dst, const void* const* srcs, int k, size_t count, int divisor) {
   using Tr = Traits<T>;
   using A = typename Tr::acc;
+  auto finish = [divisor](A v) -> T {
+    if constexpr (OP == ReduceOp::kAverage) return Tr::store(divide(v, divisor));
+    else return Tr::store(v);
+  };
   A acc[kBlock];
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t n = std::min(kBlock, count - base);
     const T* s0 = static_cast<const T*>(srcs[0]) + base;
+    T* d = dst + base;
     if (k == 1) {
-      for (size_t i = 0; i < n; ++i) acc[i] = Tr::load(s0[i]);
-    } else {
-      const T* s1 = static_cast<const T*>(srcs[1]) + base;
-      for (size_t i = 0; i < n; ++i) acc[i] = combine<OP>(Tr::load(s0[i]), Tr::load(s1[i]));
+      for (size_t i = 0; i < n; ++i) d[i] = finish(Tr::load(s0[i]));
+      continue;
     }
-    for (int j = 2; j < k; ++j) {
+    const T* s1 = static_cast<const T*>(srcs[1]) + base;
+    if (k == 2) {
+      for (size_t i = 0; i < n; ++i) d[i] = finish(combine<OP>(Tr::load(s0[i]), Tr::load(s1[i])));
+      continue;
+    }
+    for (size_t i = 0; i < n; ++i) acc[i] = combine<OP>(Tr::load(s0[i]), Tr::load(s1[i]));
+    for (int j = 2; j < k - 1; ++j) {
       const T* s = static_cast<const T*>(srcs[j]) + base;
       for (size_t i = 0; i < n; ++i) acc[i] = combine<OP>(acc[i], Tr::load(s[i]));
     }
-    if constexpr (OP == ReduceOp::kAverage)
-      for (size_t i = 0; i < n; ++i) acc[i] = divide(acc[i], divisor);
-    T* d = dst + base;
-    for (size_t i = 0; i < n; ++i) d[i] = Tr::store(acc[i]);
+    const T* last = static_cast<const T*>(srcs[k - 1]) + base;
+    for (size_t i = 0; i < n; ++i) d[i] = finish(combine<OP>(acc[i], Tr::load(last[i])));
   }
 }
 

@@ -11,6 +11,7 @@ from typing import List, Optional, Sequence
 import tensorflow as tf
 
 from .compression import Compression
+from .consistency import reduction_guard
 from .ops import reduce_tensors
 from .runtime import ReduceOp, check_process_set, no_autograph, resolve_op, size
 
@@ -57,9 +58,16 @@ class GradientReducer:
         if size() == 1:
             reduced = [self._single_process(g) for g in shared]
         else:
-            reduced = reduce_tensors(shared, op=self.op, compression=self.compression,
-                                     sparse_as_dense=self.sparse_as_dense, prescale_factor=self.prescale,
-                                     postscale_factor=self.postscale, kind=self.kind, bucket_bytes=self.bucket_bytes)
+            # Once, at the second reduction: every rank must hold the same variables (a
+            # missing broadcast otherwise trains a different model per rank, silently).
+            where = {"gradients": "DistributedGradientTape", "optimizer_gradients": "DistributedOptimizer"}
+            guard = reduction_guard([v for v, g in zip(variables, shared) if g is not None],
+                                    f"{where.get(self.kind, self.kind)}, at the second step")
+            with tf.control_dependencies([guard] if guard is not None else []):
+                reduced = reduce_tensors(shared, op=self.op, compression=self.compression,
+                                         sparse_as_dense=self.sparse_as_dense, prescale_factor=self.prescale,
+                                         postscale_factor=self.postscale, kind=self.kind,
+                                         bucket_bytes=self.bucket_bytes)
         out = []
         for g, r, is_local in zip(grads, reduced, local):
             if is_local and g is not None:

@@ -349,7 +349,8 @@ def check_gradient_tape():
                 np.testing.assert_allclose(g.numpy(), wnt, rtol=tol, atol=tol)
     # One tape.gradient() in a graph is one hand-off to the engine (one numpy_function op).
     graph = tf.function(lambda: step()).get_concrete_function().graph
-    pyfuncs = [op for op in graph.get_operations() if op.type in ("PyFunc", "EagerPyFunc")]
+    pyfuncs = [op for op in graph.get_operations() if op.type in ("PyFunc", "EagerPyFunc")
+               and "SmddpConsistency" not in op.name]  # (the once-per-loop check: consistency.py)
     assert len(pyfuncs) == 1, [op.name for op in pyfuncs]
     # A structure of sources comes back as the same structure; None gradients stay None.
     unused = tf.Variable(1.0)
@@ -617,6 +618,46 @@ def check_keras_fit():
     assert abs(logs["loss"] - (N - 1) / 2) < 1e-9 and abs(logs["acc"] - (N - 1)) < 1e-6 and logs["tag"] == "text"
 
 
+def _weights_equal_across_ranks(weights, what):
+    """Every rank's weights bit-equal to rank 0's (gathered as bytes)."""
+    mine = np.concatenate([np.ascontiguousarray(w).view(np.uint8).reshape(-1) for w in weights])
+    everyone = sdp.allgather_object(mine.tobytes())
+    assert all(b == everyone[0] for b in everyone), f"{what}: ranks' weights differ"
+
+
+def check_keras_lazy_model():
+    """A Sequential without an Input (Horovod's keras MNIST example) has no weights when
+    training begins: the callback broadcasts after the first batch, and the ranks, which
+    drew different initial weights, end bit-equal. Without the callback the consistency
+    check stops the job at the second step, naming a variable, on every rank."""
+    xs, ys = zip(*(batch(R, s) for s in range(4)))
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    for with_callback in (True, False):
+        keras.utils.set_random_seed(1000 + R)  # different initial weights on every rank
+        model = keras.Sequential([keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+        assert not model.built
+        model.compile(optimizer=sdpk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss=LOSS)
+        callbacks = [sdpk.callbacks.BroadcastGlobalVariablesCallback(0)] if with_callback else []
+        fit = lambda: model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, callbacks=callbacks, verbose=0)
+        if with_callback:
+            fit()
+            _weights_equal_across_ranks(model.get_weights(), "lazily built Sequential under model.fit")
+        else:
+            msg = expect_raises(Exception, fit, "ranks hold different values of variable", "SMDDP_CONSISTENCY_CHECK")
+            assert "DistributedOptimizer" in msg, msg
+    # A custom loop that never broadcasts: the tape's second reduction raises (eagerly).
+    model = make_model(init_weights(R))
+    for step in range(2):
+        with tf.GradientTape() as tape:
+            loss = LOSS(batch(R, step)[1], model(batch(R, step)[0]))
+        run = lambda: sdp.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        if step == 0:
+            run()
+        else:
+            msg = expect_raises(sdp.SmddpError, run, "ranks hold different values of variable", "differ from rank 0")
+            assert f"ranks {list(range(1, N))}" in msg, msg
+
+
 def check_errors():
     # Shapes that differ between ranks fail on every rank, eagerly and in a graph.
     msg = expect_raises(sdp.SmddpError, lambda: sdp.allreduce(tf.zeros([R + 2])))
@@ -669,7 +710,8 @@ SECTIONS = {
     "alltoall": check_alltoall, "reducescatter": check_reducescatter,
     "broadcast_variables": check_broadcast_variables, "misc": check_misc, "tape": check_gradient_tape,
     "sparse": check_sparse_gradients, "train_seed": check_training_seed_shape, "train_eager": check_training_eager,
-    "optimizer": check_distributed_optimizer, "keras_fit": check_keras_fit, "errors": check_errors,
+    "optimizer": check_distributed_optimizer, "keras_fit": check_keras_fit,
+    "keras_lazy": check_keras_lazy_model, "errors": check_errors,
     "missing": check_missing_rank,
 }
 DEFAULT = [name for name in SECTIONS if name not in ("errors", "missing")]

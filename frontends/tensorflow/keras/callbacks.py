@@ -4,17 +4,22 @@ from __future__ import annotations
 import numpy as np
 import keras
 
+from .. import consistency as _consistency
 from .. import ops as _ops
 from ..runtime import core, size
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """Makes every rank start from `root_rank`'s model and optimizer state.
+    """Makes every rank train from `root_rank`'s model and optimizer state.
 
-    At the start of training it broadcasts `model.variables`, and the optimizer's variables
-    if they exist then; otherwise the optimizer's variables follow at the end of the first
-    batch (its update was computed from the same weights and averaged gradients on every
-    rank, so this only makes sure). Once per callback object, like Horovod's.
+    At the start of training it broadcasts the variables that exist then, so that the first
+    step already starts from the same weights when the model is built. A model built by its
+    first batch (a `Sequential` without an `Input`) and the optimizer's state exist only
+    after that batch: at its end everything (model and optimizer variables) is broadcast
+    again, as Horovod's callback does, so the ranks agree from the second step on. After
+    the second batch the ranks compare checksums of their trainable and optimizer variables
+    once and raise, naming the first that differs, if they do not agree
+    (`SMDDP_CONSISTENCY_CHECK=0` skips it). Once per callback object, like Horovod's.
     """
 
     def __init__(self, root_rank: int = 0, device: str = ""):
@@ -22,26 +27,35 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self.root_rank = root_rank
         self.device = device
         self.broadcast_done = False
-        self._optimizer_pending = False
+        self._batches_after_broadcast = None  # counts batches after the full broadcast
 
     def _optimizer_variables(self):
         opt = getattr(self.model, "optimizer", None)
         if opt is None or not getattr(opt, "built", True):
-            return None
+            return []
         return list(opt.variables)
 
     def on_train_begin(self, logs=None):
         if self.broadcast_done:
             return
-        opt_vars = self._optimizer_variables()
-        _ops.broadcast_variables(list(self.model.variables) + (opt_vars or []), self.root_rank)
-        self._optimizer_pending = opt_vars is None
-        self.broadcast_done = True
+        if self.model.built and self.model.variables:
+            _ops.broadcast_variables(list(self.model.variables) + self._optimizer_variables(), self.root_rank)
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._optimizer_pending:
-            _ops.broadcast_variables(self._optimizer_variables() or [], self.root_rank)
-            self._optimizer_pending = False
+        if not self.broadcast_done:
+            _ops.broadcast_variables(list(self.model.variables) + self._optimizer_variables(), self.root_rank)
+            self.broadcast_done = True
+            self._batches_after_broadcast = 0
+            return
+        if self._batches_after_broadcast is not None:
+            self._batches_after_broadcast += 1
+            if self._batches_after_broadcast == 1:
+                self._batches_after_broadcast = None
+                if _consistency.enabled():
+                    # Trainable and optimizer state only: non-trainable variables (BatchNorm
+                    # statistics) follow each rank's own batches.
+                    _consistency.check_variables(list(self.model.trainable_variables) + self._optimizer_variables(),
+                                                 "BroadcastGlobalVariablesCallback, after the second batch")
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

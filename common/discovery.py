@@ -20,7 +20,7 @@ import re
 import socket
 import warnings
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 
@@ -37,8 +37,8 @@ class WorldInfo:
     host: str  # key that groups ranks into hosts
     store_addr: str
     store_port: int  # 0 only when size == 1
-    secret: str  # "" only when size == 1
-    launcher: str
+    secret: str = field(repr=False)  # "" only when size == 1; kept out of logs and reprs
+    launcher: str = ""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import numpy as np
 
 from smdistributed import _core
 from smdistributed.common.discovery import WorldInfo, discover
+from smdistributed.common.inflight import Orphans
 
 SmddpError = _core.SmddpError
 DType = _core.DType
@@ -80,18 +81,22 @@ def reduce_op(op: Union[str, ReduceOp]) -> ReduceOp:
         raise ValueError(f"unknown reduce op {op!r}; use one of SUM, AVERAGE, MIN, MAX, PRODUCT") from None
 
 
-def _contiguous(array: np.ndarray, what: str) -> np.ndarray:
+def _contiguous(array: np.ndarray, what: str, written: bool = False) -> np.ndarray:
+    """`array` itself (no copy), checked: the engine reads (and, if `written`, writes) its bytes."""
     if not isinstance(array, np.ndarray):
         raise TypeError(f"{what} must be a numpy array, got {type(array).__name__}")
     if not array.flags.c_contiguous:
         raise ValueError(f"{what} must be C-contiguous (call np.ascontiguousarray first)")
+    if written and not array.flags.writeable:
+        raise ValueError(f"{what} is read-only (a read-only memmap or a view of immutable memory), but the result "
+                         "is written there: pass a writable array, or out= a writable one")
     return array
 
 
 class Work:
     """A queued operation. `wait()` blocks (GIL released) and returns the result."""
 
-    def __init__(self, engine, handle: int, keep, finish=None):
+    def __init__(self, engine, handle: int, keep, finish=None, orphans: Optional[Orphans] = None):
         self._engine = engine
         self._handle = handle
         self._keep = keep  # arrays the engine reads or writes until completion
@@ -99,6 +104,12 @@ class Work:
         self._result = None
         self._done = False
         self._lock = threading.Lock()
+        self._orphans = orphans
+
+    def __del__(self):
+        # Dropped before it finished: its arrays must outlive the engine's use of them.
+        if not getattr(self, "_done", True) and self._orphans is not None:
+            self._orphans.adopt([self._handle], self._keep)
 
     def is_completed(self) -> bool:
         return self._done or self._engine.poll(self._handle)
@@ -137,6 +148,8 @@ class Core:
         )
         self._names = {}
         self._name_lock = threading.Lock()
+        self._unnamed_thread = None  # the one thread whose unnamed calls are matched by order
+        self._orphans = Orphans(self._engine)
         self._closed = False
 
     # ---- world -------------------------------------------------------------------------
@@ -182,22 +195,33 @@ class Core:
 
     def _auto_name(self, kind: str, name: Optional[str]) -> str:
         # Unnamed operations are matched across ranks by call order, like torch.distributed.
+        # Calls from several threads interleave differently on every rank, so the k-th call
+        # of one rank would meet another thread's k-th call of another: refuse that.
         if name is not None:
             return name
+        me = threading.get_ident()
         with self._name_lock:
+            if self._unnamed_thread is None:
+                self._unnamed_thread = me
+            elif self._unnamed_thread != me:
+                raise RuntimeError(
+                    f"unnamed {kind} from a second thread: operations without a name are matched across ranks "
+                    "by the order of the calls, which threads make in a different order on every rank. Pass "
+                    "name= (the same on every rank) to the collectives that other threads issue")
             n = self._names.get(kind, 0)
             self._names[kind] = n + 1
         return f"{kind}.{n}"
 
     def _submit(self, op, name, inp, out, dtype, *, shape=None, reduce=ReduceOp.SUM, root=0, splits=(),
                 per_rank=(), prescale=1.0, postscale=1.0, async_op=False, finish=None, keep=()):
+        self._orphans.sweep()
         handle = self._engine.submit(
             op=op, name=name, in_ptr=inp.ctypes.data, out_ptr=0 if out is None else out.ctypes.data,
             count=inp.size, out_capacity=0 if out is None else out.nbytes, dtype=dtype,
             shape=list(inp.shape if shape is None else shape), reduce_op=reduce, root=root, splits=list(splits),
             per_rank=list(per_rank), prescale=prescale, postscale=postscale,
         )
-        work = Work(self._engine, handle, (inp, out) + tuple(keep), finish)
+        work = Work(self._engine, handle, (inp, out) + tuple(keep), finish, self._orphans)
         if async_op:
             return work
         return work.wait()
@@ -206,8 +230,8 @@ class Core:
     def allreduce(self, array: np.ndarray, op="sum", *, name=None, out=None, dtype: DTypeLike = None,
                   prescale=1.0, postscale=1.0, async_op=False):
         """Reduces across ranks into `out` (default: in place). Returns `out` (or a Work)."""
-        array = _contiguous(array, "allreduce input")
-        out = array if out is None else _contiguous(out, "allreduce output")
+        array = _contiguous(array, "allreduce input", written=out is None)
+        out = array if out is None else _contiguous(out, "allreduce output", written=True)
         if out.nbytes != array.nbytes:
             raise ValueError("allreduce output must have the input's size")
         dt = core_dtype(array, dtype)
@@ -217,8 +241,8 @@ class Core:
 
     def broadcast(self, array: np.ndarray, root: int = 0, *, name=None, out=None, dtype: DTypeLike = None,
                   async_op=False):
-        array = _contiguous(array, "broadcast buffer")
-        out = array if out is None else _contiguous(out, "broadcast output")
+        array = _contiguous(array, "broadcast buffer", written=out is None)
+        out = array if out is None else _contiguous(out, "broadcast output", written=True)
         r = self._submit(OpType.BROADCAST, self._auto_name("broadcast", name), array, out, core_dtype(array, dtype),
                          root=root, async_op=async_op)
         return r if async_op else out
@@ -226,8 +250,8 @@ class Core:
     def reduce(self, array: np.ndarray, root: int = 0, op="sum", *, name=None, out=None,
                dtype: DTypeLike = None, async_op=False):
         """Reduction to `root`; root's `out` (default: the input) receives it."""
-        array = _contiguous(array, "reduce input")
-        out = array if out is None else _contiguous(out, "reduce output")
+        array = _contiguous(array, "reduce input", written=out is None and root == self.rank)
+        out = array if out is None else _contiguous(out, "reduce output", written=root == self.rank)
         r = self._submit(OpType.REDUCE, self._auto_name("reduce", name), array, out, core_dtype(array, dtype),
                          reduce=reduce_op(op), root=root, async_op=async_op)
         return r if async_op else out
@@ -250,7 +274,7 @@ class Core:
             return result
 
         if out is not None:
-            _contiguous(out, "allgather output")
+            _contiguous(out, "allgather output", written=True)
         return self._submit(OpType.ALLGATHER, self._auto_name("allgather", name), array, out, dt, shape=shape,
                             per_rank=[shape[0]], async_op=async_op, finish=finish)
 
@@ -266,7 +290,8 @@ class Core:
         counts = [int(c) for c in counts]
         if len(counts) != self.size or sum(counts) != array.size:
             raise ValueError("reduce_scatter counts must give one block per rank and sum to the input size")
-        out = np.empty(counts[self.rank], dtype=array.dtype) if out is None else _contiguous(out, "reduce_scatter output")
+        out = (np.empty(counts[self.rank], dtype=array.dtype) if out is None
+               else _contiguous(out, "reduce_scatter output", written=True))
         r = self._submit(OpType.REDUCE_SCATTER, self._auto_name("reduce_scatter", name), array, out,
                          core_dtype(array, dtype), reduce=reduce_op(op), splits=counts, async_op=async_op,
                          finish=lambda e, h: out)
@@ -295,7 +320,7 @@ class Core:
             return result, rows
 
         if out is not None:
-            _contiguous(out, "alltoall output")
+            _contiguous(out, "alltoall output", written=True)
         return self._submit(OpType.ALLTOALL, self._auto_name("alltoall", name), array, out,
                             core_dtype(array, dtype), shape=shape, per_rank=splits, async_op=async_op,
                             finish=finish)
@@ -307,12 +332,16 @@ class Core:
 
     def send(self, array: np.ndarray, peer: int, tag: int = 0, async_op=False):
         array = _contiguous(array, "send buffer")
-        work = Work(self._engine, self._engine.send(peer, tag, array.ctypes.data, array.nbytes), (array,))
+        self._orphans.sweep()
+        work = Work(self._engine, self._engine.send(peer, tag, array.ctypes.data, array.nbytes), (array,),
+                    orphans=self._orphans)
         return work if async_op else work.wait()
 
     def recv(self, array: np.ndarray, peer: int, tag: int = 0, async_op=False):
-        array = _contiguous(array, "recv buffer")
-        work = Work(self._engine, self._engine.recv(peer, tag, array.ctypes.data, array.nbytes), (array,))
+        array = _contiguous(array, "recv buffer", written=True)
+        self._orphans.sweep()
+        work = Work(self._engine, self._engine.recv(peer, tag, array.ctypes.data, array.nbytes), (array,),
+                    orphans=self._orphans)
         if async_op:
             return work
         work.wait()

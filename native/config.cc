@@ -30,7 +30,9 @@ const std::vector<ConfigVar>& config_table() {
       {"SMDDP_CMA", "auto",
        "intra-host allreduce reads peers' buffers directly with cross-memory attach "
        "(process_vm_readv): auto (when the kernel allows it), 1 (required), 0 (off: stage "
-       "through shared memory)"},
+       "through shared memory). With auto or 1 each rank allows any process of the same user "
+       "to read its memory (prctl PR_SET_PTRACER_ANY, needed under Yama ptrace_scope=1); 0 "
+       "leaves the process's ptrace setting untouched"},
       {"SMDDP_CMA_THRESHOLD", "262144",
        "bytes: intra-host allreduces at or above this size use cross-memory attach when enabled"},
       {"SMDDP_ALGORITHM", "auto", "allreduce algorithm across hosts: auto, ring or hierarchical"},

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "reduce.h"
+#include "validate.h"
 
 namespace smddp {
 
@@ -42,6 +43,7 @@ uint64_t Engine::submit(const std::string& name, const Signature& sig, const voi
   if ((sig.op == OpType::kBroadcast || sig.op == OpType::kReduce) && (sig.root < 0 || sig.root >= size()))
     throw Error(std::string(op_type_name(sig.op)) + " '" + name + "': root " + std::to_string(sig.root) +
                 " is not a rank of this world of " + std::to_string(size()));
+  validate_submission(name, sig, in, out, count, out_capacity, per_rank, rank(), size());
   auto e = std::make_shared<Entry>();
   e->name = name;
   e->sig = sig;
@@ -50,6 +52,8 @@ uint64_t Engine::submit(const std::string& name, const Signature& sig, const voi
   e->count = count;
   e->out_capacity = out_capacity;
   e->per_rank = per_rank;
+  if (sig.op == OpType::kAllgather || sig.op == OpType::kAlltoall)  // the coordinator checks it fits
+    e->per_rank.push_back(out ? int64_t(out_capacity) : -1);
   e->submit_us = now_us();
   std::lock_guard<std::mutex> lock(mutex_);
   if (!abort_message_.empty()) throw Error(abort_message_);

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "engine.h"
+#include "validate.h"
 #include "wire.h"
 
 namespace smddp {
@@ -211,7 +212,16 @@ std::vector<Response> Engine::build_responses() {
     Response r;
     r.sig = sig;
     r.entries.push_back(entry);
-    if (sig.op == OpType::kAllgather || sig.op == OpType::kAlltoall) r.per_rank = t.per_rank;
+    if (sig.op == OpType::kAllgather || sig.op == OpType::kAlltoall) {
+      // Only all announcements together tell whether every receiver's output fits.
+      std::string bad = check_ragged(name, sig, t.per_rank, size());
+      if (!bad.empty()) {
+        r.is_error = true;
+        r.error = bad;
+      } else {
+        r.per_rank = t.per_rank;
+      }
+    }
     out.push_back(std::move(r));
   }
   ready_.clear();

@@ -46,10 +46,12 @@ def run_world(
     hosts: int = 1,
     timeout: float = HANG_GUARD_S,
     gpus: bool = False,
+    kill_after_others: Sequence[int] = (),
 ) -> List[RankResult]:
     """Runs tests/workers/<worker> as `nranks` ranks split over `hosts` simulated hosts.
     With `gpus`, the ranks see the machine's GPUs and the workers run on them
-    (SMDDP_TEST_DEVICE=cuda, one GPU per rank)."""
+    (SMDDP_TEST_DEVICE=cuda, one GPU per rank). Ranks in `kill_after_others` (one that stops
+    itself, say) are killed once every other rank has exited."""
     port = free_port()
     secret = uuid.uuid4().hex
     per_host = (nranks + hosts - 1) // hosts
@@ -76,17 +78,21 @@ def run_world(
         e.update((per_rank_env or {}).get(rank, {}))
         procs.append(subprocess.Popen([sys.executable, str(WORKERS / worker), *args], env=e,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
+    results = {}
     try:
-        for rank, p in enumerate(procs):
+        order = [r for r in range(nranks) if r not in kill_after_others] + list(kill_after_others)
+        for rank in order:
+            p = procs[rank]
+            if rank in kill_after_others and p.poll() is None:
+                p.kill()
             out, err = p.communicate(timeout=timeout)
-            results.append(RankResult(rank, p.returncode, out, err))
+            results[rank] = RankResult(rank, p.returncode, out, err)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return results
+    return [results[r] for r in range(nranks)]
 
 
 def assert_all_ok(results: List[RankResult]) -> None:

@@ -83,6 +83,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._core = Core(world, rendezvous=store, advertise_addr=_advertise_address(),
                           stall_timeout=_stall_timeout(timeout))
         self._engine = self._core._engine
+        self._orphans = self._core._orphans  # buffers of Works dropped unfinished (common/inflight.py)
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
         self._completion_thread = None
@@ -139,6 +140,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def _submit(self, op, kind, inp: torch.Tensor, out, *, shape=None, reduce=_core.ReduceOp.SUM, root=0,
                 splits=(), per_rank=(), name=None) -> int:
+        self._orphans.sweep()
         return self._engine.submit(
             op=op, name=name or self._name(kind), in_ptr=inp.data_ptr(),
             out_ptr=0 if out is None else out.data_ptr(), count=inp.numel(),
@@ -188,11 +190,13 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         h = self._submit(OpType.REDUCE, "reduce", buf, buf, reduce=_reduce_op(opts), root=_root(opts))
         return SmddpWork(self, [h], tensors, back if self.rank() == _root(opts) else None, keep=buf)
 
-    def _allgather_flat(self, inp: torch.Tensor, out_flat: torch.Tensor):
-        """(handle, the flat input the engine reads, which the Work must keep alive)."""
+    def _allgather_flat(self, inp: torch.Tensor, out_flat: torch.Tensor, expected: List[int]):
+        """(handle, the flat input the engine reads, which the Work must keep alive). `expected`:
+        the elements this rank's output takes from each rank, checked against what they send
+        (on every rank, before any data moves)."""
         flat_in = inp.reshape(-1) if inp.is_contiguous() else inp.contiguous().reshape(-1)
         return self._submit(OpType.ALLGATHER, "allgather", flat_in, out_flat, shape=[flat_in.numel()],
-                            per_rank=[flat_in.numel()]), flat_in
+                            per_rank=[flat_in.numel(), *expected]), flat_in
 
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                   opts=None):
@@ -202,8 +206,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         contiguous(inp, "all_gather")
         for o in outs:
             contiguous(o, "all_gather output")
+        if len(outs) != self.size():
+            raise ValueError(f"smddp all_gather: {len(outs)} output tensors for {self.size()} ranks")
         flat = torch.empty(sum(o.numel() for o in outs), dtype=inp.dtype)
-        h, flat_in = self._allgather_flat(inp, flat)
+        h, flat_in = self._allgather_flat(inp, flat, [o.numel() for o in outs])
 
         def scatter_back():
             offset = 0
@@ -221,7 +227,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if out.numel() != inp.numel() * self.size():
             raise ValueError(f"smddp all_gather_into_tensor: output has {out.numel()} elements, expected "
                              f"{inp.numel()} x {self.size()} ranks")
-        h, flat_in = self._allgather_flat(inp, out.view(-1))
+        h, flat_in = self._allgather_flat(inp, out.view(-1), [inp.numel()] * self.size())
         return SmddpWork(self, [h], [output], back, keep=(flat_in, out))
 
     _allgather_base = all_gather_single
@@ -282,12 +288,22 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             if rows % P:
                 raise ValueError(f"smddp all_to_all_single: dim 0 ({rows}) does not split evenly over {P} ranks")
             input_split_sizes = [rows // P] * P
-        if output_split_sizes and sum(output_split_sizes) != (out.shape[0] if out.dim() else 1):
-            raise ValueError("smddp all_to_all_single: output_split_sizes do not add up to the output's dim 0")
+        out_rows = out.shape[0] if out.dim() else 1
+        if output_split_sizes:
+            output_split_sizes = [int(n) for n in output_split_sizes]
+            if len(output_split_sizes) != P or min(output_split_sizes) < 0 or sum(output_split_sizes) != out_rows:
+                raise ValueError(f"smddp all_to_all_single: output_split_sizes {output_split_sizes} must give one "
+                                 f"non-negative row count per rank ({P}) adding up to the output's {out_rows} rows")
+        elif out_rows % P:
+            raise ValueError(f"smddp all_to_all_single: the output's dim 0 ({out_rows}) does not split evenly over "
+                             f"{P} ranks; pass output_split_sizes")
+        else:
+            output_split_sizes = [out_rows // P] * P
         shape = list(src.shape) if src.dim() else [1]
-        # The engine learns what each rank sends from the senders' splits and refuses an
-        # output too small for it.
-        h = self._submit(OpType.ALLTOALL, "all_to_all", src, out, shape=shape, per_rank=list(input_split_sizes))
+        # The engine checks the input splits against the input, and (with every rank's
+        # announcement) each rank's output splits against what the others send to it.
+        h = self._submit(OpType.ALLTOALL, "all_to_all", src, out, shape=shape,
+                         per_rank=[int(n) for n in input_split_sizes] + output_split_sizes)
         return SmddpWork(self, [h], [output], back, keep=(src, out))
 
     alltoall_base = all_to_all_single
@@ -298,8 +314,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return gpu.alltoall(output_tensors, input_tensors)
         flat_in = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else torch.empty(0)
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
+        if len(input_tensors) != self.size() or len(output_tensors) != self.size():
+            raise ValueError(f"smddp all_to_all: {len(input_tensors)} inputs and {len(output_tensors)} outputs for "
+                             f"{self.size()} ranks")
         h = self._submit(OpType.ALLTOALL, "alltoall", flat_in, flat_out, shape=[flat_in.numel()],
-                         per_rank=[t.numel() for t in input_tensors])
+                         per_rank=[t.numel() for t in input_tensors] + [t.numel() for t in output_tensors])
 
         def unpack():
             offset = 0
@@ -320,7 +339,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         # Through allgather: root keeps the parts (bandwidth P x what a tree gather would move).
         inp = input_tensors[0]
         flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype)
-        h, flat_in = self._allgather_flat(inp, flat)
+        h, flat_in = self._allgather_flat(inp, flat, [inp.numel()] * self.size())
         outs = output_lists[0] if self.rank() == _root(opts) else []
 
         def unpack():

@@ -87,6 +87,16 @@ class SmddpWork(dist.Work):
         self._done = False
         self._lock = threading.RLock()
         self._future: Optional[torch.futures.Future] = None
+        self._future_source: Optional[torch.futures.Future] = None  # completed to run _future_value
+
+    def __del__(self):
+        # Dropped before it finished (an async call never waited on): the buffers the engine
+        # still uses must outlive it.
+        if getattr(self, "_done", True) or not getattr(self, "_pending", None):
+            return
+        pg = self._pg()
+        if pg is not None:
+            pg._orphans.adopt(list(self._pending), (self._keep, self._finish))
 
     # -- completion, from wait() or from the completion thread -----------------------------
     def _complete_handle(self, handle: int) -> None:
@@ -107,11 +117,17 @@ class SmddpWork(dist.Work):
                 self._error = e
         self._done = True
         self._keep = None
-        if self._future is not None and not self._future.done():
-            if self._error is None:
-                self._future.set_result(self._result)
-            else:
-                self._future.set_exception(self._error)
+        if self._future_source is not None and not self._future_source.done():
+            self._future_source.set_result(None)  # runs _future_value for the future handed out
+
+    def _future_value(self, _source):
+        # The future handed out is this callback's: a Python exception raised here marks it
+        # failed in C++ (as gloo's and NCCL's futures fail), so DDP's reducer and every hook
+        # see the error. (torch.futures.Future.set_exception only stores the exception as a
+        # value that Python unwraps; C++ readers would take it for tensors and crash.)
+        if self._error is not None:
+            raise self._error
+        return self._result
 
     def _handle_finished(self, handle: int) -> None:
         with self._lock:
@@ -158,7 +174,8 @@ class SmddpWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._future_source = torch.futures.Future()
+                self._future = self._future_source.then(self._future_value)
                 if self._done:
                     self._finalize()
                 else:

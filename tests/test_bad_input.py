@@ -1,0 +1,39 @@
+"""Hostile and careless input: a clear error on every rank involved, never a crash, a hang,
+an out-of-bounds access or wrong data, and the engine usable for the next call."""
+import re
+
+import pytest
+
+from world import assert_all_ok, run_world
+
+
+def test_numpy_api_bad_input():
+    """Outputs too small (locally, and on one rank as only negotiation can tell), read-only
+    buffers, sizes and splits that do not match the data, async handles dropped unfinished,
+    unnamed calls from a second thread."""
+    results = run_world(3, "bad_input.py")
+    assert_all_ok(results)
+    assert all("bad input ok" in r.stdout for r in results)
+
+
+def test_torch_bad_input():
+    pytest.importorskip("torch")
+    results = run_world(3, "torch_bad_input.py")
+    assert_all_ok(results)
+    assert all("TORCH BAD INPUT OK" in r.stdout for r in results)
+
+
+@pytest.mark.parametrize("case", ["dead", "stalled"])
+def test_torch_ddp_raises_when_a_peer_dies_or_stalls(case):
+    """torch DDP's reducer sees the failure as an exception on every survivor (it crashed
+    with SIGSEGV when a failed Work's future held the exception as a value)."""
+    pytest.importorskip("torch")
+    timeout = 5
+    results = run_world(3, "torch_ddp_faults.py", [case], env={"SMDDP_TIMEOUT": str(timeout)},
+                        kill_after_others=[2] if case == "stalled" else [], timeout=60)
+    for r in results[:2]:
+        assert r.returncode == 0, r.output
+        m = re.search(r"RAISED after ([0-9.]+) s: (.*)", r.stdout)
+        assert m, r.output
+        assert "rank 2" in m.group(2) or "rank(s) 2" in m.group(2), m.group(2)
+        assert float(m.group(1)) <= timeout + 2, m.group(0)

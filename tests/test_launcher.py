@@ -275,3 +275,20 @@ def test_ranks_do_not_outlive_a_killed_launcher(tmp_path):
     while not all(_dead_or_zombie(p) for p in pids):
         assert time.monotonic() < deadline, "ranks survived the launcher"
         time.sleep(0.05)
+
+
+def test_threads_divided_among_local_ranks():
+    """Each rank gets the host's cores divided by its ranks as OMP_NUM_THREADS and
+    TF_NUM_INTRAOP_THREADS (said once on stderr), unless the user chose a count."""
+    cores = len(os.sched_getaffinity(0))
+    program = rank_program("import os; print(os.environ['OMP_NUM_THREADS'], os.environ['TF_NUM_INTRAOP_THREADS'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TF_NUM_INTRAOP_THREADS")}
+    out = smddprun("-np", "2", *program, env=env)
+    assert out.returncode == 0, out.stderr
+    want = str(max(1, cores // 2))
+    assert all(lines == [f"{want} {want}"] for lines in by_rank(out.stdout).values()), out.stdout
+    assert out.stderr.count("OMP_NUM_THREADS=") == 1, out.stderr
+    out = smddprun("-np", "2", *rank_program("import os; print(os.environ['OMP_NUM_THREADS'])"),
+                   env=dict(env, OMP_NUM_THREADS="3"))
+    assert all(lines == ["3"] for lines in by_rank(out.stdout).values()), out.stdout
+    assert "OMP_NUM_THREADS=" not in out.stderr

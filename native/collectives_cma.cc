@@ -45,16 +45,15 @@ void reduce_range_from_peers(Comm& comm, const char* mine, char* dst, size_t lo,
   std::vector<const void*> srcs(L);
   for (size_t off = lo; off < hi; off += block) {
     const size_t n = std::min(block, hi - off);
-    // Sources in local-rank order, this rank's own in its place: every chunk is reduced in
-    // the same order, whichever rank owns it.
+    // This rank's own values first (dst aliases them, which lets reduce_many stream through
+    // whole ranges), then the peers' in local-rank order.
+    int k = 0;
+    srcs[k++] = mine + off * es;
     for (int q = 0; q < L; ++q) {
-      if (q == me) {
-        srcs[q] = mine + off * es;
-        continue;
-      }
-      char* tmp = scratch + size_t(q) * block * es;
+      if (q == me) continue;
+      char* tmp = scratch + size_t(k) * block * es;
       read_peer_memory(comm.local_pid(q), ranks[q], peer_buffer(comm, q) + off * es, tmp, n * es);
-      srcs[q] = tmp;
+      srcs[k++] = tmp;
     }
     reduce_many(dst + (off - lo) * es, srcs.data(), L, n, dtype, op, divisor);
   }

@@ -90,17 +90,29 @@ inline A divide(A v, int divisor) {
   else return A(v / A(divisor));
 }
 
-// Elements per block. Against whole-range pairwise passes (one core, float32, 3 sources), 2048
-// was 1.1-1.6x faster for cache-resident pieces (16K-256K elements, what the collectives
-// reduce per call) and 0.85x for 4M-element sources that stream from memory.
+// Elements per block of the accumulating path: against whole-range passes (one core, float32,
+// 3 sources) 2048 was 1.1-1.6x faster for cache-resident pieces (16K-256K elements) and 0.85x
+// for 4M-element sources streaming from memory.
 constexpr size_t kBlock = 2048;
 
-// Block by block: the sources are combined left to right into a cache-resident accumulator,
-// and the last source is combined as the block of dst is written. So dst may alias any
-// source: each source's block is read before that block of dst is written (the staging
-// allreduce writes its result into its own slot, one of the sources). Writing dst in the
-// last pass, not copying the accumulator out, keeps two-source reductions (reduce_into) at
-// the speed of a plain vector add. float16/bfloat16 accumulate in float32 and round once.
+// True if dst's range overlaps a source after the first two (sources 0 and 1 may alias dst:
+// every pass reads an element before it writes the same element).
+template <typename T>
+bool dst_overlaps_later_source(const T* dst, const void* const* srcs, int k, size_t count) {
+  for (int j = 2; j < k; ++j) {
+    const T* s = static_cast<const T*>(srcs[j]);
+    if (s < dst + count && dst < s + count) return true;
+  }
+  return false;
+}
+
+// Sources combine left to right. Two ways:
+// - whole-range passes into dst (dst = s0 op s1, then dst op= s2, ...): fastest when the
+//   sources stream from memory, and correct when dst aliases only s0 or s1;
+// - block by block into a cache-resident accumulator, the last source combined as the block of
+//   dst is written: correct whatever source dst aliases (the staging allreduce writes into its
+//   own slot, source `me`; pairwise passes there overwrote that source before reading it), and
+//   the only way for float16/bfloat16, which accumulate in float32 and round once.
 template <typename T, ReduceOp OP>
 void reduce_many_t(T* dst, const void* const* srcs, int k, size_t count, int divisor) {
   using Tr = Traits<T>;
@@ -109,6 +121,20 @@ void reduce_many_t(T* dst, const void* const* srcs, int k, size_t count, int div
     if constexpr (OP == ReduceOp::kAverage) return Tr::store(divide(v, divisor));
     else return Tr::store(v);
   };
+  if constexpr (std::is_same_v<A, T>) {
+    if (k >= 3 && !dst_overlaps_later_source(dst, srcs, k, count)) {
+      const T* s0 = static_cast<const T*>(srcs[0]);
+      const T* s1 = static_cast<const T*>(srcs[1]);
+      for (size_t i = 0; i < count; ++i) dst[i] = combine<OP>(s0[i], s1[i]);
+      for (int j = 2; j < k - 1; ++j) {
+        const T* s = static_cast<const T*>(srcs[j]);
+        for (size_t i = 0; i < count; ++i) dst[i] = combine<OP>(dst[i], s[i]);
+      }
+      const T* last = static_cast<const T*>(srcs[k - 1]);
+      for (size_t i = 0; i < count; ++i) dst[i] = finish(combine<OP>(dst[i], last[i]));
+      return;
+    }
+  }
   A acc[kBlock];
   for (size_t base = 0; base < count; base += kBlock) {
     const size_t n = std::min(kBlock, count - base);

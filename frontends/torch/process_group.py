@@ -13,7 +13,7 @@ import secrets
 import socket
 import threading
 from datetime import timedelta
-from typing import List
+from typing import List, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,13 @@ def _root(opts) -> int:
     return opts.rootRank if opts is not None else 0
 
 
+class WorldLayout(NamedTuple):
+    local_rank: int
+    local_size: int
+    num_hosts: int
+    host_index: int
+
+
 class ProcessGroupSMDDP(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
@@ -93,6 +100,16 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._cuda_checks = os.environ.get("SMDDP_CUDA_CHECKS", "1") != "0"
 
     # -- plumbing ---------------------------------------------------------------------------
+    @property
+    def engine(self):
+        """The group's native engine (for frontends that submit named operations to it)."""
+        return self._engine
+
+    def layout(self) -> "WorldLayout":
+        """Where this rank sits: its local rank and size on its host, the hosts, its host."""
+        c = self._core
+        return WorldLayout(c.local_rank, c.local_size, c.num_hosts, c.host_index)
+
     def getBackendName(self) -> str:
         return "smddp"
 

@@ -286,6 +286,13 @@ bool Engine::step() {
   bool busy = announce_new_entries();
   if (rank() == 0) {
     busy |= poll_coordinator_messages();
+    const int64_t now = now_us();
+    if (size() > 1 && now - last_heartbeat_sent_us_ > kHeartbeatUs) {
+      last_heartbeat_sent_us_ = now;
+      const std::string beat(1, char(MessageType::kHeartbeat));
+      for (int r = 1; r < size(); ++r)
+        if (!rank_gone_[r]) comm_->send_message(r, kControlChannel, beat, "sending a heartbeat");
+    }
     std::vector<Response> responses = build_responses();
     if (!responses.empty()) {
       busy = true;
@@ -299,6 +306,7 @@ bool Engine::step() {
     }
   } else if (!rank_gone_[0]) {
     busy |= poll_responses();
+    check_coordinator_alive();
   }
   busy |= progress_p2p();
   if (!busy && (!pending_.empty() || !p2p_sends_.empty() || !p2p_recvs_.empty())) {

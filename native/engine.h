@@ -210,6 +210,11 @@ class Engine {
   std::vector<std::string> ready_;   // names every rank has announced, in readiness order
   std::vector<bool> rank_gone_;      // ranks that said goodbye
   int64_t last_stall_check_us_ = 0;
+  int64_t last_heartbeat_sent_us_ = 0;   // rank 0
+  int64_t last_heard_from_coordinator_us_ = 0;  // other ranks: any message from rank 0
+  // Other ranks: raises PeerError naming rank 0 when operations wait on negotiation and rank
+  // 0 has been silent (no response, no heartbeat) for the stall timeout.
+  void check_coordinator_alive();
 };
 
 }  // namespace smddp

@@ -104,6 +104,8 @@ bool Engine::poll_responses() {
       return true;
     }
     if (type == MessageType::kAbort) throw PeerError(reader.get_string());
+    last_heard_from_coordinator_us_ = now_us();
+    if (type == MessageType::kHeartbeat) continue;
     if (type != MessageType::kRespond) throw Error("unexpected negotiation message from rank 0");
     counters_.negotiation_round_trips++;
     for (const auto& resp : decode_responses(reader)) execute(resp);
@@ -266,6 +268,20 @@ std::vector<Response> Engine::check_stalls() {
   }
   for (const auto& name : expired) tallies_.erase(name);
   return errors;
+}
+
+void Engine::check_coordinator_alive() {
+  if (pending_.empty()) return;
+  const int64_t now = now_us();
+  int64_t waiting_since = now;
+  for (const auto& kv : pending_) waiting_since = std::min(waiting_since, kv.second->announce_us);
+  const int64_t silent_since = std::max(waiting_since, last_heard_from_coordinator_us_);
+  const double silent_s = double(now - silent_since) / 1e6;
+  if (silent_s <= stall_timeout_s_) return;
+  throw PeerError("rank 0 (the coordinator) has not answered for " + std::to_string(int(silent_s)) +
+                  " s while this rank waits on '" + pending_.begin()->first +
+                  "': it is stalled (stopped, hung) or its host is unreachable (SMDDP_TIMEOUT, or the framework's "
+                  "timeout)");
 }
 
 }  // namespace smddp

@@ -45,7 +45,10 @@ struct Announcement {
   static constexpr uint32_t kNoCacheId = 0xffffffffu;
 };
 
-enum class MessageType : uint8_t { kAnnounce = 1, kRespond = 2, kGoodbye = 3, kAbort = 4 };
+// kHeartbeat: rank 0 says it is alive (every kHeartbeatUs), so a rank that waits on it can
+// tell a coordinator that is merely busy from one that is stopped or cut off.
+enum class MessageType : uint8_t { kAnnounce = 1, kRespond = 2, kGoodbye = 3, kAbort = 4, kHeartbeat = 5 };
+constexpr int64_t kHeartbeatUs = 250000;
 
 struct ResponseEntry {
   std::string name;

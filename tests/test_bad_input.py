@@ -37,3 +37,20 @@ def test_torch_ddp_raises_when_a_peer_dies_or_stalls(case):
         assert m, r.output
         assert "rank 2" in m.group(2) or "rank(s) 2" in m.group(2), m.group(2)
         assert float(m.group(1)) <= timeout + 2, m.group(0)
+
+
+@pytest.mark.parametrize("victim, hosts", [(0, 1), (2, 1), (0, 2), (3, 2)])
+def test_stalled_rank_makes_every_other_rank_raise(victim, hosts):
+    """A stopped rank (the coordinator or not; one host, or two simulated hosts over TCP): the
+    others raise within the timeout plus a second or two, naming it."""
+    timeout = 4
+    results = run_world(4, "stalled_peer.py", [str(victim)], env={"SMDDP_TIMEOUT": str(timeout)}, hosts=hosts,
+                        kill_after_others=[victim], timeout=60)
+    for r in results:
+        if r.rank == victim:
+            continue
+        assert r.returncode == 0, r.output
+        m = re.search(r"RAISED after ([0-9.]+) s: (.*)", r.stdout)
+        assert m, r.output
+        assert f"rank {victim}" in m.group(2) or f"rank(s) {victim}" in m.group(2), m.group(2)
+        assert float(m.group(1)) <= timeout + 2.5, m.group(0)

@@ -292,6 +292,9 @@ def _exit_code(rc: int) -> int:
     return 128 - rc if rc < 0 else rc
 
 
+_SHM_DIR = "/dev/shm"
+
+
 class _Supervisor:
     """Runs the ranks of one host until all exit, one fails, or a signal arrives."""
 
@@ -371,11 +374,29 @@ class _Supervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
         self._drain()
+        self._remove_shared_memory()
         if self.signal_received is not None:
             return 128 + self.signal_received
         if failure is not None:
             return _exit_code(failure[1])
         return 0
+
+    def _remove_shared_memory(self) -> None:
+        """A host's segment is unlinked by its leader as soon as every local rank has mapped it;
+        a leader killed inside that window leaves it in /dev/shm. Its name ends with the
+        leader's pid (native/comm.cc), so the segments of this job's ranks are removed here."""
+        pids = {str(p.pid) for p in self.procs}
+        try:
+            names = os.listdir(_SHM_DIR)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith("smddp-") and name.rsplit("-", 1)[-1] in pids:
+                try:
+                    os.unlink(os.path.join(_SHM_DIR, name))
+                    self._say(f"removed the shared memory {name} that a killed rank left behind")
+                except OSError:
+                    pass
 
     def _wait(self) -> tuple[int, int] | None:
         """Poll until every rank has exited; the first failure stops the rest."""

@@ -292,3 +292,22 @@ def test_threads_divided_among_local_ranks():
                    env=dict(env, OMP_NUM_THREADS="3"))
     assert all(lines == ["3"] for lines in by_rank(out.stdout).values()), out.stdout
     assert "OMP_NUM_THREADS=" not in out.stderr
+
+
+def test_segment_of_a_leader_killed_during_startup_is_removed():
+    """A host leader SIGKILLed after creating its shared memory segment and before the others
+    mapped it (so before it unlinks it) leaves /dev/shm/smddp-<hash>-<its pid>; smddprun
+    removes it. (The leader stands in here with a file of that name: the engine's own window
+    is too short to hit on purpose.)"""
+    program = rank_program("""
+        import os, signal
+        if os.environ["SMDDP_LOCAL_RANK"] == "0":
+            open(f"/dev/shm/smddp-0123abcd-{os.getpid()}", "wb").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("smddp-")}
+    out = smddprun("-np", "2", *program)
+    assert out.returncode != 0
+    after = {n for n in os.listdir("/dev/shm") if n.startswith("smddp-")}
+    assert after <= before, (after - before, out.stderr)
+    assert "removed the shared memory smddp-0123abcd-" in out.stderr, out.stderr

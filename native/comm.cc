@@ -1,5 +1,7 @@
 #include "comm.h"
 
+#include <atomic>
+
 #include <functional>
 #include <sched.h>
 #include <map>
@@ -78,8 +80,13 @@ void Comm::bootstrap(const WorldSpec& spec) {
     if (spec.store_port <= 0)
       throw Error("a world of " + std::to_string(size_) + " ranks needs a rendezvous store port "
                   "(SMDDP_STORE_PORT or MASTER_PORT)");
-    if (rank_ == 0) store_server_ = std::make_unique<StoreServer>(spec.store_port, secret_);
-    auto client = std::make_shared<StoreClient>(spec.store_addr, spec.store_port, secret_, timeout);
+    // Engines a process starts one after another (init, shutdown, init) bootstrap through
+    // stores of the same address; the generation tells a rank that reaches rank 0's previous
+    // store, still serving while rank 0 shuts down, to wait for the new one.
+    static std::atomic<int> generations{0};
+    const int generation = generations++;
+    if (rank_ == 0) store_server_ = std::make_unique<StoreServer>(spec.store_port, secret_, generation);
+    auto client = std::make_shared<StoreClient>(spec.store_addr, spec.store_port, secret_, timeout, generation);
     if (my_addr.empty()) my_addr = client->local_ip();
     store_ = client;
   }

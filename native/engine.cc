@@ -269,15 +269,15 @@ void Engine::loop() {
   }
   // Orderly goodbye so peers report "shut down" instead of waiting for a timeout.
   if (abort_message().empty() && size() > 1) {
-    try {
-      std::string bye(1, char(MessageType::kGoodbye));
-      if (rank() == 0) {
-        for (int r = 1; r < size(); ++r) comm_->send_message(r, kControlChannel, bye, "shutdown");
-      } else {
-        comm_->send_message(0, kControlChannel, bye, "shutdown");
+    const std::string bye(1, char(MessageType::kGoodbye));
+    // Each peer separately: one that has already left must not keep the others from hearing
+    // the goodbye (they would report this rank as dead).
+    for (int r = rank() == 0 ? 1 : 0; r < (rank() == 0 ? size() : 1); ++r) {
+      try {
+        comm_->send_message(r, kControlChannel, bye, "shutdown");
+      } catch (const std::exception&) {
+        // That peer is already gone: nothing to tell it.
       }
-    } catch (const std::exception&) {
-      // The peer is already gone: nothing to tell.
     }
   }
 }

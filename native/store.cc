@@ -2,6 +2,8 @@
 
 #include <poll.h>
 
+#include <algorithm>
+#include <thread>
 #include <vector>
 
 #include "wire.h"
@@ -13,10 +15,12 @@ constexpr uint8_t kSet = 1;
 constexpr uint8_t kGet = 2;
 constexpr double kHandshakeTimeout = 10.0;
 const char kWelcome[] = "smddp-store-ok";
+const char kRefused[] = "smddp-store-refused";
 }  // namespace
 
-StoreServer::StoreServer(int port, std::string secret)
-    : listener_(Socket::listen_on(port)), port_(listener_.local_port()), secret_(std::move(secret)) {
+StoreServer::StoreServer(int port, std::string secret, int generation)
+    : listener_(Socket::listen_on(port)), port_(listener_.local_port()), secret_(std::move(secret)),
+      generation_(generation) {
   thread_ = std::thread([this] { serve(); });
 }
 
@@ -56,11 +60,15 @@ void StoreServer::serve() {
             ++refused_;
             SMDDP_LOG(0, "store refused a connection from " + c.desc +
                              ": it presented a wrong or missing secret (SMDDP_SECRET)");
+            try {  // says why, so a rank with the wrong secret fails at once instead of retrying
+              send_frame(c.sock, kRefused, kHandshakeTimeout, "store client " + c.desc);
+            } catch (const Error&) {
+            }
             c.sock.close();
             continue;
           }
           c.authenticated = true;
-          send_frame(c.sock, kWelcome, kHandshakeTimeout, "store client " + c.desc);
+          send_frame(c.sock, kWelcome + std::to_string(generation_), kHandshakeTimeout, "store client " + c.desc);
           continue;
         }
         Reader r(msg);
@@ -90,18 +98,37 @@ void StoreServer::serve() {
   }
 }
 
-StoreClient::StoreClient(const std::string& host, int port, const std::string& secret, double timeout_s)
+StoreClient::StoreClient(const std::string& host, int port, const std::string& secret, double timeout_s,
+                         int generation)
     : timeout_s_(timeout_s) {
-  sock_ = Socket::connect_to(host, port, timeout_s);
-  send_frame(sock_, secret, timeout_s, "rendezvous store " + host + ":" + std::to_string(port));
-  std::string reply;
-  try {
-    reply = recv_frame(sock_, timeout_s, "rendezvous store");
-  } catch (const PeerError&) {
-    throw PeerError("the rendezvous store at " + host + ":" + std::to_string(port) +
-                    " closed the connection: this process's SMDDP_SECRET differs from rank 0's, or rank 0 exited");
+  const std::string where = "rendezvous store " + host + ":" + std::to_string(port);
+  const std::string welcome = kWelcome + std::to_string(generation);
+  auto start = Clock::now();
+  while (true) {
+    sock_ = Socket::connect_to(host, port, std::max(1.0, timeout_s - seconds_since(start)));
+    send_frame(sock_, secret, timeout_s, where);
+    std::string reply;
+    try {
+      reply = recv_frame(sock_, timeout_s, "rendezvous store");
+    } catch (const PeerError&) {
+      reply.clear();  // closed without a word: a store shutting down (rank 0 re-initialising)
+    }
+    if (reply == welcome) return;
+    if (reply == kRefused)
+      throw PeerError("the " + where + " refused this process: its SMDDP_SECRET differs from rank 0's");
+    if (!reply.empty() && reply.rfind(kWelcome, 0) != 0) throw PeerError("unexpected reply from the " + where);
+    // The store of rank 0's previous engine (or one closing): wait for the new one.
+    sock_.close();
+    if (seconds_since(start) > timeout_s) {
+      if (reply.empty())
+        throw PeerError("the " + where + " closed the connection for " + std::to_string(int(timeout_s)) +
+                        " s: rank 0 exited or is restarting its engine");
+      throw PeerError("the " + where + " still serves start " + reply.substr(sizeof(kWelcome) - 1) +
+                      " of the engine after " + std::to_string(int(timeout_s)) + " s; this rank is at start " +
+                      std::to_string(generation) + " (ranks must initialise and shut down the same number of times)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  if (reply != kWelcome) throw PeerError("unexpected reply from the rendezvous store");
 }
 
 std::string StoreClient::request(const std::string& payload) {

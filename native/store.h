@@ -16,7 +16,8 @@ namespace smddp {
 
 class StoreServer {
  public:
-  StoreServer(int port, std::string secret);
+  // `generation`: which start of the engine in this process (see StoreClient).
+  StoreServer(int port, std::string secret, int generation);
   ~StoreServer();
   int port() const { return port_; }
   int refused_connections() const { return refused_.load(); }
@@ -27,6 +28,7 @@ class StoreServer {
   Socket listener_;
   int port_;
   std::string secret_;
+  int generation_;
   std::atomic<bool> stopping_{false};
   std::atomic<int> refused_{0};
   std::map<std::string, std::string> data_;
@@ -45,7 +47,9 @@ class Rendezvous {
 
 class StoreClient : public Rendezvous {
  public:
-  StoreClient(const std::string& host, int port, const std::string& secret, double timeout_s);
+  // Connects (retrying until timeout_s) to the store of the same `generation`: a rank that
+  // re-initialises may first reach rank 0's store of the previous start, still being shut down.
+  StoreClient(const std::string& host, int port, const std::string& secret, double timeout_s, int generation);
   void set(const std::string& key, const std::string& value) override;
   std::string get(const std::string& key, double timeout_s) override;
   std::string local_ip() const { return sock_.local_ip(); }

@@ -18,7 +18,13 @@ def main():
             bad = b"not-the-secret"
             s.sendall(struct.pack("<Q", len(bad)) + bad)
             s.settimeout(10)
-            closed = s.recv(1) == b""
+            reply = b""
+            while True:  # the store says it refuses, then closes the connection
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+            closed = b"smddp-store-refused" in reply and b"store-ok" not in reply
         print("INTRUDER_CLOSED=%s" % closed, flush=True)
     core.barrier(name="after-intruder")
     if core.rank == 0:

@@ -35,6 +35,19 @@ class PyRendezvous : public Rendezvous {
   std::string get(const std::string& key, double timeout_s) override {
     py::gil_scoped_acquire gil;
     try {
+      // The framework store's own get() would block for the store's timeout (torch's: the
+      // group's, 30 minutes by default); wait() takes ours.
+      if (timeout_s > 0 && py::hasattr(store_, "wait")) {
+        py::object seconds = py::module_::import("datetime").attr("timedelta")(py::arg("seconds") = timeout_s);
+        py::list keys;
+        keys.append(key);
+        try {
+          store_.attr("wait")(keys, seconds);
+        } catch (const py::error_already_set& e) {
+          throw PeerError("timed out after " + std::to_string(int(timeout_s)) + " s waiting for rendezvous key '" +
+                          key + "' (is every rank of the group up?): " + e.what());
+        }
+      }
       return store_.attr("get")(key).cast<std::string>();
     } catch (const py::error_already_set& e) {
       throw PeerError("rendezvous get('" + key + "') failed (is every rank of the group up?): " + e.what());

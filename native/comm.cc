@@ -1,14 +1,18 @@
 #include "comm.h"
 
-#include <atomic>
-
-#include <functional>
+#include <poll.h>
 #include <sched.h>
-#include <map>
-#include <sstream>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <sstream>
+
 #include "cma.h"
+#include "frame_reader.h"
 #include "wait.h"
 #include "wire.h"
 
@@ -70,8 +74,18 @@ Comm::~Comm() {
   if (store_server_) store_server_->stop();
 }
 
+namespace {
+// A store reached through loopback means every rank is on this host: listen on loopback only.
+bool is_loopback(const std::string& addr) {
+  return addr.rfind("127.", 0) == 0 || addr == "localhost" || addr == "::1";
+}
+constexpr double kHandshakeDeadline = 2.0;  // seconds an accepted connection has to identify itself
+constexpr size_t kHandshakeBytes = 4096;
+}  // namespace
+
 void Comm::bootstrap(const WorldSpec& spec) {
   const double timeout = config_.timeout_s;
+  const bool loopback = !spec.rendezvous && is_loopback(spec.store_addr);
   std::string my_addr = spec.advertise_addr;
   if (spec.rendezvous) {
     store_ = spec.rendezvous;
@@ -85,14 +99,14 @@ void Comm::bootstrap(const WorldSpec& spec) {
     // store, still serving while rank 0 shuts down, to wait for the new one.
     static std::atomic<int> generations{0};
     const int generation = generations++;
-    if (rank_ == 0) store_server_ = std::make_unique<StoreServer>(spec.store_port, secret_, generation);
+    if (rank_ == 0) store_server_ = std::make_unique<StoreServer>(spec.store_port, secret_, generation, loopback);
     auto client = std::make_shared<StoreClient>(spec.store_addr, spec.store_port, secret_, timeout, generation);
     if (my_addr.empty()) my_addr = client->local_ip();
     store_ = client;
   }
 
   // 1. Publish how to reach this rank; learn everyone else's.
-  Socket listener = Socket::listen_on(0);
+  Socket listener = Socket::listen_on(0, loopback);
   std::ostringstream me;
   me << spec.host << "\n" << my_addr << "\n" << listener.local_port() << "\n" << ::getpid() << "\n";
   store_->set("rank/" + std::to_string(rank_), me.str());
@@ -176,31 +190,7 @@ void Comm::bootstrap(const WorldSpec& spec) {
     int expected = 0;
     for (int peer = 0; peer < rank_; ++peer)
       if (rank_host_[peer] != host_index_) expected += kNumChannelKinds;
-    auto start = Clock::now();
-    while (expected > 0) {
-      if (seconds_since(start) > timeout)
-        throw PeerError("timed out waiting for TCP connections from ranks on other hosts");
-      std::string desc;
-      Socket s = listener.accept_within(0.1, &desc);
-      if (!s.valid()) continue;
-      try {
-        Reader r(recv_frame(s, timeout, "TCP handshake from " + desc));
-        std::string secret = r.get_string();
-        int peer = r.get<int32_t>();
-        int k = r.get<int32_t>();
-        if (!secrets_equal(secret, secret_)) {
-          SMDDP_LOG(0, "refused a connection from " + desc + ": it presented a wrong or missing secret (SMDDP_SECRET)");
-          continue;
-        }
-        if (peer < 0 || peer >= rank_ || k < 0 || k >= kNumChannelKinds || channels_[peer][k])
-          throw Error("unexpected handshake");
-        s.set_nonblocking(true);
-        channels_[peer][k] = std::make_unique<TcpChannel>(peer, std::move(s));
-        --expected;
-      } catch (const Error& e) {
-        SMDDP_LOG(1, "dropped a bad connection from " + desc + ": " + e.what());
-      }
-    }
+    accept_peer_connections(listener, expected, timeout);
   }
 
   // 5. Everyone is wired: a store barrier so no rank starts before its peers are ready.
@@ -295,6 +285,70 @@ void Comm::abort(const std::string& message) {
   for (auto& per_peer : channels_)
     for (auto& ch : per_peer)
       if (ch) ch->close();
+}
+
+// Accepts `expected` handshakes from lower ranks on other hosts. Every pending connection is
+// read a little at a time on one poll(), with a size cap and a short deadline, so an idle or
+// hostile connection is dropped (and logged) without holding up the real ones.
+void Comm::accept_peer_connections(Socket& listener, int expected, double timeout) {
+  struct Pending {
+    Socket sock;
+    std::string desc;
+    FrameReader reader{kHandshakeBytes};
+    Clock::time_point deadline;
+  };
+  std::vector<std::unique_ptr<Pending>> pending;
+  listener.set_nonblocking(true);
+  auto start = Clock::now();
+  while (expected > 0) {
+    if (seconds_since(start) > timeout)
+      throw PeerError("timed out waiting for TCP connections from ranks on other hosts");
+    std::vector<pollfd> fds{{listener.fd(), POLLIN, 0}};
+    for (auto& p : pending) fds.push_back({p->sock.fd(), POLLIN, 0});
+    ::poll(fds.data(), fds.size(), 50);
+    if (fds[0].revents & POLLIN) {
+      while (pending.size() < 256) {
+        auto p = std::make_unique<Pending>();
+        p->sock = listener.accept_within(0, &p->desc);
+        if (!p->sock.valid()) break;
+        p->sock.set_nonblocking(true);
+        p->deadline = Clock::now() + std::chrono::milliseconds(int64_t(kHandshakeDeadline * 1000));
+        pending.push_back(std::move(p));
+      }
+    }
+    const auto now = Clock::now();
+    for (auto& p : pending) {
+      try {
+        if (!p->reader.read_some(p->sock, "TCP handshake from " + p->desc)) {
+          if (now > p->deadline) {
+            SMDDP_LOG(0, "dropped a connection from " + p->desc + ": no handshake within " +
+                             std::to_string(kHandshakeDeadline) + " s");
+            p->sock.close();
+          }
+          continue;
+        }
+        Reader r(p->reader.take());
+        std::string secret = r.get_string();
+        int peer = r.get<int32_t>();
+        int k = r.get<int32_t>();
+        if (!secrets_equal(secret, secret_)) {
+          SMDDP_LOG(0, "refused a connection from " + p->desc + ": it presented a wrong or missing secret (SMDDP_SECRET)");
+          p->sock.close();
+          continue;
+        }
+        if (peer < 0 || peer >= rank_ || rank_host_[peer] == host_index_ || k < 0 || k >= kNumChannelKinds ||
+            channels_[peer][k])
+          throw Error("unexpected handshake (rank " + std::to_string(peer) + ", channel " + std::to_string(k) + ")");
+        channels_[peer][k] = std::make_unique<TcpChannel>(peer, std::move(p->sock));
+        --expected;
+      } catch (const Error& e) {
+        SMDDP_LOG(0, "dropped a bad connection from " + p->desc + ": " + e.what());
+        p->sock.close();
+      }
+    }
+    pending.erase(std::remove_if(pending.begin(), pending.end(), [](const auto& p) { return !p->sock.valid(); }),
+                  pending.end());
+  }
 }
 
 }  // namespace smddp

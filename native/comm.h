@@ -86,6 +86,7 @@ class Comm {
 
  private:
   void bootstrap(const WorldSpec& spec);
+  void accept_peer_connections(Socket& listener, int expected, double timeout);
   void connect_mesh(const std::vector<std::string>& addrs);
 
   EngineConfig config_;

@@ -47,7 +47,7 @@ void Socket::close() {
   }
 }
 
-Socket Socket::listen_on(int port) {
+Socket Socket::listen_on(int port, bool loopback) {
   int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) throw Error("socket(): " + errno_text());
   Socket s(fd);
@@ -55,7 +55,7 @@ Socket Socket::listen_on(int port) {
   ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_addr.s_addr = htonl(loopback ? INADDR_LOOPBACK : INADDR_ANY);
   addr.sin_port = htons(uint16_t(port));
   if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0)
     throw Error("cannot bind TCP port " + std::to_string(port) + ": " + errno_text());
@@ -194,10 +194,12 @@ void send_frame(Socket& s, const std::string& payload, double timeout_s, const s
   s.send_all(payload.data(), payload.size(), timeout_s, what);
 }
 
-std::string recv_frame(Socket& s, double timeout_s, const std::string& what) {
+std::string recv_frame(Socket& s, double timeout_s, const std::string& what, size_t max_bytes) {
   uint64_t len = 0;
   s.recv_all(&len, sizeof(len), timeout_s, what);
-  if (len > (1ull << 32)) throw PeerError(what + ": malformed frame of " + std::to_string(len) + " bytes");
+  if (len > max_bytes)
+    throw PeerError(what + ": a frame of " + std::to_string(len) + " bytes, more than the " +
+                    std::to_string(max_bytes) + " allowed here");
   std::string payload(len, '\0');
   s.recv_all(payload.data(), len, timeout_s, what);
   return payload;

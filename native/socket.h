@@ -20,8 +20,8 @@ class Socket {
   Socket(Socket&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
   Socket& operator=(Socket&& o) noexcept;
 
-  // Binds 0.0.0.0:port (0 = any free port) and listens.
-  static Socket listen_on(int port);
+  // Binds port (0 = any free port) on every interface, or on 127.0.0.1 only, and listens.
+  static Socket listen_on(int port, bool loopback = false);
   // Connects, retrying refused connections until the deadline (the server may start later).
   static Socket connect_to(const std::string& host, int port, double timeout_s);
 
@@ -52,7 +52,8 @@ class Socket {
 
 // Length-prefixed messages over a socket (blocking, with deadline).
 void send_frame(Socket& s, const std::string& payload, double timeout_s, const std::string& what);
-std::string recv_frame(Socket& s, double timeout_s, const std::string& what);
+// Refuses (PeerError) a length prefix above max_bytes before allocating anything.
+std::string recv_frame(Socket& s, double timeout_s, const std::string& what, size_t max_bytes = 1 << 20);
 
 // Constant-time comparison for secrets.
 bool secrets_equal(const std::string& a, const std::string& b);

@@ -14,12 +14,24 @@
 
 namespace smddp {
 
+// Limits of the store's server: nothing a client that has not proved the secret sends can
+// cost more than a handshake frame or keep it for longer than the handshake deadline.
+struct StoreLimits {
+  size_t handshake_bytes = 4096;           // the secret's frame
+  size_t request_bytes = 1 << 20;          // one set/get after authentication
+  double handshake_deadline_s = 2.0;       // to connect and present the secret
+  size_t max_connections = 256;            // open at once; more are closed at accept
+};
+
 class StoreServer {
  public:
-  // `generation`: which start of the engine in this process (see StoreClient).
-  StoreServer(int port, std::string secret, int generation);
+  // `generation`: which start of the engine in this process (see StoreClient). `loopback`:
+  // bind 127.0.0.1 only (every rank is on this host), else every interface.
+  StoreServer(int port, std::string secret, int generation, bool loopback, StoreLimits limits = {});
   ~StoreServer();
   int port() const { return port_; }
+  // Connections turned away: a wrong secret, an oversized or garbage frame, a handshake that
+  // did not finish within its deadline, or one over the connection cap. Each is logged.
   int refused_connections() const { return refused_.load(); }
   void stop();
 
@@ -29,6 +41,7 @@ class StoreServer {
   int port_;
   std::string secret_;
   int generation_;
+  StoreLimits limits_;
   std::atomic<bool> stopping_{false};
   std::atomic<int> refused_{0};
   std::map<std::string, std::string> data_;

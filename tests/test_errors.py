@@ -120,3 +120,56 @@ def test_staggered_exit_and_reinit_are_clean():
     for r in results:
         assert "staggered exit ok" in r.stdout, r.output
         assert "died" not in r.output and "ERROR" not in r.output, r.output
+
+
+def _flood(port, idle, done):
+    """Idle connections, a 1 TiB length prefix, garbage and a slow client against the store."""
+    import socket
+    import struct
+    import time as _time
+
+    socks, deadline = [], _time.monotonic() + 20
+    while not done.is_set() and _time.monotonic() < deadline and len(socks) < idle + 3:
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=1)
+        except OSError:
+            _time.sleep(0.05)
+            continue
+        n = len(socks)
+        if n == idle:
+            s.sendall(struct.pack("<Q", 1 << 40))  # would make a naive server allocate 1 TiB
+        elif n == idle + 1:
+            s.sendall(b"\x07" * 64)  # garbage
+        elif n == idle + 2:
+            s.sendall(struct.pack("<Q", 32) + b"x")  # starts a frame and goes quiet
+        socks.append(s)
+    done.wait(30)
+    for s in socks:
+        s.close()
+
+
+def test_store_and_bootstrap_survive_a_flood():
+    """Before any secret is checked, the store spends at most a handshake frame and two
+    seconds on a connection, on one poll() for all of them: 40 idle connections, an oversized
+    length prefix, garbage and a half-sent frame do not keep 3 ranks from starting, and every
+    one is refused and counted."""
+    import threading
+
+    import world
+
+    port = world.free_port()
+    done = threading.Event()
+    attacker = threading.Thread(target=_flood, args=(port, 40, done), daemon=True)
+    original = world.free_port
+    world.free_port = lambda: port  # run_world takes the store port from here
+    try:
+        attacker.start()
+        results = run_world(3, "store_flood.py", ["43"], timeout=90)
+    finally:
+        world.free_port = original
+        done.set()
+        attacker.join()
+    assert_all_ok(results)
+    refused = int(results[0].stdout.split("REFUSED=")[1].split()[0])
+    assert refused >= 43, results[0].output
+    assert "did not present the secret" in results[0].stderr and "more than the 4096 allowed" in results[0].stderr

@@ -13,6 +13,7 @@
 
 #include "cma.h"
 #include "frame_reader.h"
+#include "messages.h"
 #include "wait.h"
 #include "wire.h"
 
@@ -108,16 +109,26 @@ void Comm::bootstrap(const WorldSpec& spec) {
   // 1. Publish how to reach this rank; learn everyone else's.
   Socket listener = Socket::listen_on(0, loopback);
   std::ostringstream me;
-  me << spec.host << "\n" << my_addr << "\n" << listener.local_port() << "\n" << ::getpid() << "\n";
+  me << spec.host << "\n" << my_addr << "\n" << listener.local_port() << "\n" << ::getpid() << "\n"
+     << kProtocolVersion << "\n";
   store_->set("rank/" + std::to_string(rank_), me.str());
   std::vector<std::string> hosts(size_), addrs(size_);
   std::vector<int> ports(size_);
   for (int r = 0; r < size_; ++r) {
     auto f = split_lines(store_->get("rank/" + std::to_string(r), timeout));
-    if (f.size() < 4) throw Error("malformed rendezvous record of rank " + std::to_string(r));
-    hosts[r] = f[0];
-    addrs[r] = f[1];
-    ports[r] = std::stoi(f[2]);
+    // Ranks built from different versions of the library would misread each other's messages.
+    const std::string theirs = f.size() >= 5 ? f[4] : "1 (or older)";
+    if (theirs != std::to_string(kProtocolVersion))
+      throw Error("rank " + std::to_string(r) + " runs smdistributed's wire protocol " + theirs + ", this rank (" +
+                  std::to_string(rank_) + ") protocol " + std::to_string(kProtocolVersion) +
+                  ": install the same version of the library on every host");
+    try {
+      hosts[r] = f.at(0);
+      addrs[r] = f.at(1);
+      ports[r] = std::stoi(f.at(2));
+    } catch (const std::exception&) {
+      throw Error("malformed rendezvous record of rank " + std::to_string(r));
+    }
   }
 
   // 2. Group ranks into hosts by host key, hosts ordered by their lowest rank.

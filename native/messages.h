@@ -45,6 +45,10 @@ struct Announcement {
   static constexpr uint32_t kNoCacheId = 0xffffffffu;
 };
 
+// The version of everything ranks send each other (negotiation messages, their layouts, the
+// rendezvous records). Checked at bootstrap; raise it whenever a message changes.
+constexpr int kProtocolVersion = 2;
+
 // kHeartbeat: rank 0 says it is alive (every kHeartbeatUs), so a rank that waits on it can
 // tell a coordinator that is merely busy from one that is stopped or cut off.
 enum class MessageType : uint8_t { kAnnounce = 1, kRespond = 2, kGoodbye = 3, kAbort = 4, kHeartbeat = 5 };

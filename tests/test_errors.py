@@ -173,3 +173,51 @@ def test_store_and_bootstrap_survive_a_flood():
     refused = int(results[0].stdout.split("REFUSED=")[1].split()[0])
     assert refused >= 43, results[0].output
     assert "did not present the secret" in results[0].stderr and "more than the 4096 allowed" in results[0].stderr
+
+
+def test_ranks_of_another_protocol_version_are_refused_clearly():
+    """A rank from another release (its rendezvous record says protocol 1): rank 0 refuses to
+    start, naming the rank and both versions, instead of misreading its messages later."""
+    import os
+    import socket
+    import struct
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    import world
+
+    port, secret = world.free_port(), uuid.uuid4().hex
+    env = dict(os.environ, SMDDP_RANK="0", SMDDP_SIZE="2", SMDDP_LOCAL_RANK="0", SMDDP_LOCAL_SIZE="1",
+               SMDDP_HOST="hostA", SMDDP_STORE_ADDR="127.0.0.1", SMDDP_STORE_PORT=str(port), SMDDP_SECRET=secret,
+               SMDDP_TIMEOUT="20", CUDA_VISIBLE_DEVICES="")
+    rank0 = subprocess.Popen([sys.executable, "-c", "from smdistributed.common import engine; engine.init()"],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def frame(payload: bytes) -> bytes:
+        return struct.pack("<Q", len(payload)) + payload
+
+    def string(b: bytes) -> bytes:
+        return struct.pack("<I", len(b)) + b
+
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "rank 0's store never came up"
+                time.sleep(0.05)
+        with s:
+            s.sendall(frame(secret.encode()))
+            s.recv(64)  # the welcome
+            record = b"hostB\n127.0.0.1\n1\n12345\n1\n"  # an older release's record: protocol 1
+            s.sendall(frame(b"\x01" + string(b"rank/1") + string(record)))
+            _, err = rank0.communicate(timeout=60)
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+    assert rank0.returncode != 0
+    assert "rank 1 runs smdistributed's wire protocol 1, this rank (0) protocol 2" in err, err

@@ -394,3 +394,21 @@ def discover(env: Mapping[str, str] | None = None) -> WorldInfo:
     return WorldInfo(rank=found.rank, size=found.size, local_rank=found.local_rank,
                      local_size=found.local_size, host=host, store_addr=addr,
                      store_port=port, secret=secret, launcher=found.launcher)
+
+
+def export_original_environment(world: WorldInfo, environ=None) -> None:
+    """Sets the variables the original library's launcher exported, which clients read
+    (Hugging Face transformers takes its device from SMDATAPARALLEL_LOCAL_RANK when SageMaker's
+    data-parallel switch is on), unless they are set already."""
+    env = os.environ if environ is None else environ
+    values = {
+        "SMDATAPARALLEL_RANK": world.rank,
+        "SMDATAPARALLEL_SIZE": world.size,
+        "SMDATAPARALLEL_SERVER_ADDR": env.get("MASTER_ADDR") or world.store_addr or "127.0.0.1",
+        "SMDATAPARALLEL_SERVER_PORT": env.get("MASTER_PORT") or world.store_port,
+    }
+    if world.local_rank >= 0:
+        values.update(SMDATAPARALLEL_LOCAL_RANK=world.local_rank, SMDATAPARALLEL_LOCAL_SIZE=world.local_size)
+    for key, value in values.items():
+        if value is not None and value != "":
+            env.setdefault(key, str(value))

@@ -38,7 +38,8 @@ One host:
   smddprun -np 4 python train.py
   Each rank gets SMDDP_RANK, SMDDP_SIZE, SMDDP_LOCAL_RANK, SMDDP_LOCAL_SIZE,
   SMDDP_STORE_ADDR, SMDDP_STORE_PORT, SMDDP_SECRET, and for torch scripts RANK,
-  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, and the original
+  library's SMDATAPARALLEL_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE, _SERVER_ADDR, _SERVER_PORT.
 
 Several hosts (rank 0 and the rendezvous store run on the first host):
   smddprun -np 8 -H node1:4,node2:4 python train.py
@@ -229,6 +230,11 @@ def _child_envs(np: int, simulate_hosts: int | None) -> list[dict[str, str]]:
                 "SMDDP_RANK": str(rank), "RANK": str(rank),
                 "SMDDP_LOCAL_RANK": str(local_rank), "LOCAL_RANK": str(local_rank),
                 "SMDDP_LOCAL_SIZE": str(len(ranks)), "LOCAL_WORLD_SIZE": str(len(ranks)),
+                # The original launcher's names, which clients (Hugging Face transformers) read.
+                "SMDATAPARALLEL_RANK": str(rank), "SMDATAPARALLEL_SIZE": str(np),
+                "SMDATAPARALLEL_LOCAL_RANK": str(local_rank), "SMDATAPARALLEL_LOCAL_SIZE": str(len(ranks)),
+                "SMDATAPARALLEL_SERVER_ADDR": common["MASTER_ADDR"],
+                "SMDATAPARALLEL_SERVER_PORT": common["MASTER_PORT"],
             })
             if simulate_hosts:
                 # Asked for explicitly, so it wins over a SMDDP_HOST the user exported;

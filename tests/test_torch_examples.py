@@ -55,3 +55,26 @@ def test_under_mpirun(tmp_path):
     out = run(cmd + [sys.executable, str(EXAMPLES / "train_digits.py"), "--epochs", "2", "--save-model", str(ckpt)],
               tmp_path)
     check_training_output(out, ckpt)
+
+
+ORIGINAL_ENV_PROGRAM = (
+    "import os, smdistributed.dataparallel.torch.torch_smddp, torch.distributed as d; "
+    "d.init_process_group('smddp'); "
+    "print('ENV', *[os.environ[k] for k in ('SMDATAPARALLEL_RANK', 'SMDATAPARALLEL_SIZE', "
+    "'SMDATAPARALLEL_LOCAL_RANK', 'SMDATAPARALLEL_LOCAL_SIZE')], flush=True); d.destroy_process_group()"
+)
+
+
+@pytest.mark.parametrize("launcher", ["smddprun", "torchrun"])
+def test_original_environment_variables(launcher, tmp_path):
+    """SMDATAPARALLEL_* (what Hugging Face transformers reads under SageMaker's data-parallel
+    switch) are set under smddprun (by the launcher) and torchrun (by importing torch_smddp)."""
+    program = [sys.executable, "-c", ORIGINAL_ENV_PROGRAM]
+    if launcher == "smddprun":
+        cmd = [sys.executable, "-m", "smdistributed.common.launcher", "-np", "2", "--", *program]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), "--no-python", *program]
+    out = run(cmd, tmp_path)
+    lines = sorted(l.split("ENV ", 1)[1] for l in out.splitlines() if "ENV " in l)
+    assert lines == ["0 2 0 2", "1 2 1 2"], out

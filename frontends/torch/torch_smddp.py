@@ -5,7 +5,8 @@
 
 It also fills in the variables torch's env:// initialisation reads (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT, ...) from whichever launcher started the process, so the same
-script runs under smddprun, torchrun, mpirun or srun.
+script runs under smddprun, torchrun, mpirun or srun, and the original library's
+SMDATAPARALLEL_* variables that clients such as Hugging Face transformers read.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import os
 
 import torch.distributed as dist
 
-from smdistributed.common.discovery import discover
+from smdistributed.common.discovery import discover, export_original_environment
 
 from .process_group import ProcessGroupSMDDP
 
@@ -25,9 +26,10 @@ def _create_process_group(store, rank, size, timeout):
 
 
 def _fill_torch_environment() -> None:
+    world = discover()
+    export_original_environment(world)
     if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         return
-    world = discover()
     defaults = {
         "RANK": world.rank, "WORLD_SIZE": world.size,
         "MASTER_ADDR": world.store_addr or "127.0.0.1",

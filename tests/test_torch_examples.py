@@ -1,5 +1,6 @@
 """The seeds' script shapes (examples/pytorch) run unchanged under smddprun, torchrun and mpirun."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,5 +77,5 @@ def test_original_environment_variables(launcher, tmp_path):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(free_port()), "--no-python", *program]
     out = run(cmd, tmp_path)
-    lines = sorted(l.split("ENV ", 1)[1] for l in out.splitlines() if "ENV " in l)
-    assert lines == ["0 2 0 2", "1 2 1 2"], out
+    found = sorted(re.findall(r"ENV (\d+ \d+ \d+ \d+)", out))
+    assert found == ["0 2 0 2", "1 2 1 2"], out

@@ -26,10 +26,17 @@ def _create_process_group(store, rank, size, timeout):
 
 
 def _fill_torch_environment() -> None:
+    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        # torchrun's (or the user's) variables: the original library's names follow them.
+        e = os.environ
+        for ours, theirs in (("RANK", "RANK"), ("SIZE", "WORLD_SIZE"), ("LOCAL_RANK", "LOCAL_RANK"),
+                             ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"), ("SERVER_ADDR", "MASTER_ADDR"),
+                             ("SERVER_PORT", "MASTER_PORT")):
+            if theirs in e:
+                e.setdefault("SMDATAPARALLEL_" + ours, e[theirs])
+        return
     world = discover()
     export_original_environment(world)
-    if all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return
     defaults = {
         "RANK": world.rank, "WORLD_SIZE": world.size,
         "MASTER_ADDR": world.store_addr or "127.0.0.1",

@@ -61,8 +61,9 @@ def test_under_mpirun(tmp_path):
 ORIGINAL_ENV_PROGRAM = (
     "import os, smdistributed.dataparallel.torch.torch_smddp, torch.distributed as d; "
     "d.init_process_group('smddp'); "
-    "print('ENV', *[os.environ[k] for k in ('SMDATAPARALLEL_RANK', 'SMDATAPARALLEL_SIZE', "
-    "'SMDATAPARALLEL_LOCAL_RANK', 'SMDATAPARALLEL_LOCAL_SIZE')], flush=True); d.destroy_process_group()"
+    "os.write(1, ('ENV ' + ' '.join(os.environ[k] for k in ('SMDATAPARALLEL_RANK', 'SMDATAPARALLEL_SIZE', "
+    "'SMDATAPARALLEL_LOCAL_RANK', 'SMDATAPARALLEL_LOCAL_SIZE')) + '\\n').encode()); "
+    "d.destroy_process_group()"
 )
 
 

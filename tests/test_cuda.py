@@ -122,3 +122,12 @@ def test_cuda_legacy_ddp_gradients_equal_torch_ddp_nccl(model):
     assert_all_ok(results)
     for r in results:
         assert r.stdout.count("LEGACY VS NCCL OK") == len(LEGACY_VS_NCCL[model].split(",")), r.output
+
+
+@needs_two_gpus
+def test_cuda_horovod_api_and_training():
+    """Horovod's PyTorch API on CUDA tensors (NCCL), DistributedOptimizer training against one
+    process, SyncBatchNorm statistics over every rank's batch."""
+    results = run_world(WORLD, "torch_horovod.py", gpus=True, timeout=600)
+    assert_all_ok(results)
+    assert all("HOROVOD API OK" in r.stdout for r in results)

@@ -3,6 +3,7 @@ single-process results: every collective and its async form, and training with
 DistributedOptimizer in the shape of Horovod's pytorch_mnist.py equal to training on the
 concatenation of every rank's batches.
 """
+import os
 import sys
 
 import torch
@@ -12,6 +13,12 @@ import smdistributed.dataparallel.torch as hvd
 
 hvd.init()
 P, R = hvd.size(), hvd.rank()
+# SMDDP_TEST_DEVICE=cuda: the same checks on this rank's GPU (NCCL underneath).
+if os.environ.get("SMDDP_TEST_DEVICE") == "cuda":
+    torch.cuda.set_device(hvd.local_rank())
+    DEVICE = torch.device("cuda", hvd.local_rank())
+else:
+    DEVICE = torch.device("cpu")
 
 
 def expect(exc, fn, *needles):
@@ -26,7 +33,7 @@ def expect(exc, fn, *needles):
 
 def per_rank(r, shape, seed, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed * 1000 + r)
-    return torch.randint(-5, 6, shape, generator=g).to(dtype)
+    return torch.randint(-5, 6, shape, generator=g).to(dtype).to(DEVICE)
 
 
 def check_world():
@@ -80,10 +87,10 @@ def check_collectives():
     even = per_rank(R, (2 * P, 3), 5)
     want = torch.cat([per_rank(s, (2 * P, 3), 5)[2 * R:2 * R + 2] for s in range(P)])
     assert torch.equal(hvd.alltoall(even), want)
-    rows = torch.arange((R + 1) * P * 2, dtype=torch.float32).reshape(-1, 2) + 100 * R
+    rows = torch.arange((R + 1) * P * 2, dtype=torch.float32, device=DEVICE).reshape(-1, 2) + 100 * R
     out, received = hvd.alltoall(rows, splits=[R + 1] * P)
     assert received.tolist() == [s + 1 for s in range(P)]
-    want = torch.cat([(torch.arange((s + 1) * P * 2, dtype=torch.float32).reshape(-1, 2) + 100 * s)
+    want = torch.cat([(torch.arange((s + 1) * P * 2, dtype=torch.float32, device=DEVICE).reshape(-1, 2) + 100 * s)
                       [(s + 1) * R:(s + 1) * (R + 1)] for s in range(P)])
     assert torch.equal(out, want)
     # reducescatter: the first rows % P ranks get one extra row.
@@ -99,7 +106,14 @@ def check_collectives():
     hvd.barrier()
     expect(NotImplementedError, lambda: hvd.allreduce(xs[R], op=hvd.Adasum), "Adasum")
     expect(NotImplementedError, lambda: hvd.allreduce(xs[R], process_set=object()), "process sets")
-    expect(RuntimeError, lambda: hvd.SyncBatchNorm(3)(torch.ones(4, 3)), "CUDA")
+    if DEVICE.type == "cpu":
+        expect(RuntimeError, lambda: hvd.SyncBatchNorm(3)(torch.ones(4, 3)), "CUDA")
+    else:  # statistics over every rank's batch
+        bn = hvd.SyncBatchNorm(3).to(DEVICE)
+        out = bn(per_rank(R, (4, 3), 7) + 0.5)
+        allx = torch.cat([per_rank(r, (4, 3), 7) + 0.5 for r in range(P)])
+        torch.testing.assert_close(bn.running_mean, 0.1 * allx.mean(0), rtol=1e-4, atol=1e-5)
+        assert out.shape == (4, 3)
 
 
 class Net(torch.nn.Module):
@@ -116,14 +130,14 @@ class Net(torch.nn.Module):
 
 def batch(r, step, n=4):
     g = torch.Generator().manual_seed(5000 + 31 * step + r)
-    return torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+    return torch.randn(n, 1, 8, 8, generator=g).to(DEVICE), torch.randint(0, 10, (n,), generator=g).to(DEVICE)
 
 
 def train_like_pytorch_mnist(steps, passes=1, compression=hvd.Compression.none, predivide=1.0):
     """Horovod's pytorch_mnist.py loop: broadcast parameters and optimizer state from rank 0,
     DistributedOptimizer with named parameters, zero_grad/backward/step."""
     torch.manual_seed(100 + R)  # different initial weights per rank: the broadcast must fix them
-    model = Net()
+    model = Net().to(DEVICE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -144,7 +158,7 @@ def reference(steps, passes=1):
     """One process: rank 0's initial model, each step on every rank's batches (the average of
     the per-rank mean losses, summed over the passes, as Horovod accumulates them)."""
     torch.manual_seed(100)
-    model = Net()
+    model = Net().to(DEVICE)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     for step in range(steps):
         optimizer.zero_grad()
@@ -166,7 +180,7 @@ def check_training():
     compare(train_like_pytorch_mnist(3, predivide=2.0), reference(3), 1e-5, "gradient_predivide_factor=2")
     compare(train_like_pytorch_mnist(3, compression=hvd.Compression.fp16), reference(3), 2e-3, "fp16 compression")
     # zero_grad between backward and step would lose the reductions in flight: refused.
-    model = Net()
+    model = Net().to(DEVICE)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters())
     F.nll_loss(model(batch(R, 0)[0]), batch(R, 0)[1]).backward()

@@ -122,3 +122,15 @@ def test_horovod_script_with_only_the_import_changed(tmp_path):
     assert len(sums) == 2 and sums[0][1] == sums[1][1], out
     assert "Step #0" in out and "checkpoint saved" in out, out
     assert (tmp_path / "checkpoint").exists()
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_keras2_scripts(nranks):
+    """Keras 2 scripts (tf-keras with TF_USE_LEGACY_KERAS=1): model.fit with the library's
+    optimizer and callbacks equal to single-process training, the original TF2 Keras example's
+    shape (no Input layer, experimental_run_tf_function, a SavedModel directory), a tape loop,
+    and the consistency check."""
+    pytest.importorskip("tf_keras")
+    results = run_world(nranks, "tf_keras2.py", env={"TF_USE_LEGACY_KERAS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert_all_ok(results)
+    assert all("KERAS 2 OK" in r.stdout for r in results)

@@ -11,14 +11,11 @@ from .gradients import GradientReducer
 from .ops import broadcast_global_variables
 from .runtime import ReduceOp, no_autograph
 
-try:
-    import keras as _keras
-except ImportError:  # pragma: no cover - TF 2.16+ depends on Keras 3
-    _keras = None
+from .keras_flavour import is_keras2, keras as _active_keras, optimizer_base_classes
 
 
 def _is_keras_optimizer(opt) -> bool:
-    return _keras is not None and isinstance(opt, _keras.optimizers.Optimizer)
+    return isinstance(opt, optimizer_base_classes())
 
 
 class _DistributedKerasOptimizer:
@@ -59,7 +56,7 @@ class _DistributedKerasOptimizer:
                 raise ValueError("build the optimizer (optimizer.build(variables)) or pass the variables")
             trainable_variables = list(self._trainable_variables)
         if not self.built:
-            with _keras.name_scope(self.name):
+            with _active_keras().name_scope(self.name):
                 self.build(trainable_variables)
         n = self._sdp_passes
         accs = [self._sdp_accumulators[self._get_variable_index(v)] for v in trainable_variables]
@@ -90,15 +87,30 @@ class _DistributedKerasOptimizer:
             tf.cond(is_apply_step, apply_step, local_step)
 
 
+class _DistributedKeras2Optimizer:
+    """Mixed in front of a Keras 2 (tf-keras) optimizer class: `apply_gradients` (which
+    `minimize` and `model.fit` call) reduces the gradients over all ranks first."""
+
+    @no_autograph
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        pairs = list(grads_and_vars)
+        if not pairs:
+            return super().apply_gradients(pairs, *args, **kwargs)
+        grads, variables = zip(*pairs)
+        reduced = self._sdp_reducer.reduce(list(grads), list(variables))
+        return super().apply_gradients(list(zip(reduced, variables)), *args, **kwargs)
+
+
 _keras_classes = {}
 _keras_lock = threading.Lock()
 
 
 def _keras_class(base):
+    mixin = _DistributedKeras2Optimizer if is_keras2() else _DistributedKerasOptimizer
     with _keras_lock:
         cls = _keras_classes.get(base)
         if cls is None:
-            cls = type(base.__name__, (_DistributedKerasOptimizer, base),
+            cls = type(base.__name__, (mixin, base),
                        {"__module__": base.__module__, "__doc__": f"{base.__name__}, reducing gradients over "
                         "all ranks before applying them (smdistributed.dataparallel)."})
             _keras_classes[base] = cls
@@ -138,6 +150,14 @@ else:  # pragma: no cover
     _LegacyDistributedOptimizer = None
 
 
+def _has_state(optimizer) -> bool:
+    """Keras 2 optimizers: whether slot variables exist already (the optimizer was used)."""
+    try:
+        return len(list(optimizer.variables())) > 1
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",  # noqa: N802
                          compression=Compression.none, sparse_as_dense=False, op=ReduceOp.AVERAGE,
                          bucket_cap_mb=25, backward_passes_per_step=1, average_aggregated_gradients=False,
@@ -167,10 +187,14 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                               gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
                               scale_local_gradients=scale_local_gradients, kind="optimizer_gradients",
                               bucket_bytes=int(float(bucket_cap_mb) * (1 << 20)) if bucket_cap_mb else None)
-    if isinstance(optimizer, _DistributedKerasOptimizer):
+    if isinstance(optimizer, (_DistributedKerasOptimizer, _DistributedKeras2Optimizer)):
         raise ValueError("this optimizer is already a DistributedOptimizer")
     if _is_keras_optimizer(optimizer):
-        if getattr(optimizer, "built", False):
+        if is_keras2() and backward_passes_per_step != 1:
+            raise NotImplementedError("backward_passes_per_step > 1 is implemented for Keras 3 optimizers only; "
+                                      "with Keras 2 (tf-keras) accumulate gradients in the training loop")
+        if getattr(optimizer, "built", False) or (is_keras2() and getattr(optimizer, "iterations", None) is not None
+                                                   and _has_state(optimizer)):
             raise ValueError("wrap the optimizer in DistributedOptimizer before it is used (it already has "
                              "variables, which the distributed copy would not carry over)")
         config = optimizer.get_config()

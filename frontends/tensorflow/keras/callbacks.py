@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import numpy as np
-import keras
+
+from ..keras_flavour import keras as _keras_module
+
+keras = _keras_module()  # Keras 3, or tf-keras under TF_USE_LEGACY_KERAS=1: the model's flavour
 
 from .. import consistency as _consistency
 from .. import ops as _ops
@@ -33,7 +36,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         opt = getattr(self.model, "optimizer", None)
         if opt is None or not getattr(opt, "built", True):
             return []
-        return list(opt.variables)
+        variables = opt.variables
+        return list(variables() if callable(variables) else variables)  # a method in Keras 2
 
     def on_train_begin(self, logs=None):
         if self.broadcast_done:

@@ -160,13 +160,10 @@ def test_store_and_bootstrap_survive_a_flood():
     port = world.free_port()
     done = threading.Event()
     attacker = threading.Thread(target=_flood, args=(port, 40, done), daemon=True)
-    original = world.free_port
-    world.free_port = lambda: port  # run_world takes the store port from here
     try:
         attacker.start()
-        results = run_world(3, "store_flood.py", ["43"], timeout=90)
+        results = run_world(3, "store_flood.py", ["43"], timeout=90, port=port)
     finally:
-        world.free_port = original
         done.set()
         attacker.join()
     assert_all_ok(results)

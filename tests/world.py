@@ -47,13 +47,16 @@ def run_world(
     timeout: float = HANG_GUARD_S,
     gpus: bool = False,
     kill_after_others: Sequence[int] = (),
+    port: Optional[int] = None,
+    secret: Optional[str] = None,
 ) -> List[RankResult]:
     """Runs tests/workers/<worker> as `nranks` ranks split over `hosts` simulated hosts.
     With `gpus`, the ranks see the machine's GPUs and the workers run on them
     (SMDDP_TEST_DEVICE=cuda, one GPU per rank). Ranks in `kill_after_others` (one that stops
-    itself, say) are killed once every other rank has exited."""
-    port = free_port()
-    secret = uuid.uuid4().hex
+    itself, say) are killed once every other rank has exited. `port` and `secret`: the store's
+    (default: a free port, a random secret), for tests that talk to the store themselves."""
+    port = port or free_port()
+    secret = secret or uuid.uuid4().hex
     per_host = (nranks + hosts - 1) // hosts
     procs = []
     for rank in range(nranks):

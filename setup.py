@@ -21,6 +21,15 @@ compile_args = ["-O3", "-fvisibility=hidden"]
 if os.environ.get("SMDDP_PORTABLE_BUILD") != "1" and platform.machine() in ("x86_64", "AMD64"):
     compile_args.append("-march=native")
 
+# Sanitizer builds for testing the core (SMDDP_SANITIZE=address or thread): run Python with the
+# sanitizer's runtime preloaded, e.g. LD_PRELOAD=$(g++ -print-file-name=libasan.so).
+link_args = []
+sanitize = os.environ.get("SMDDP_SANITIZE", "")
+if sanitize:
+    compile_args = [a for a in compile_args if a != "-O3"] + ["-O1", "-g", "-fno-omit-frame-pointer",
+                                                              f"-fsanitize={sanitize}"]
+    link_args.append(f"-fsanitize={sanitize}")
+
 ext = Pybind11Extension(
     "smdistributed._core",
     native_sources,
@@ -29,7 +38,7 @@ ext = Pybind11Extension(
     # Some toolchains (the CUDA image's /opt/gcc wrapper) link libstdc++ statically. Its
     # symbols must stay private to this module: exported, some of them resolve to another
     # libstdc++ already in the process and iostreams crash. Export only PyInit__core.
-    extra_link_args=["-Wl,--version-script=" + os.path.join("native", "exports.map")],
+    extra_link_args=["-Wl,--version-script=" + os.path.join("native", "exports.map")] + link_args,
     libraries=["rt", "dl"],
     depends=[os.path.join("native", f) for f in os.listdir("native") if f.endswith((".h", ".map"))],
 )

@@ -14,6 +14,7 @@ from world import assert_all_ok, run_world
 import world
 
 FUZZ_SECONDS = float(os.environ.get("SMDDP_TEST_FUZZ_SECONDS", "8"))
+FUZZ_THREADS = int(os.environ.get("SMDDP_TEST_FUZZ_THREADS", "2"))
 
 
 def _frame(payload: bytes) -> bytes:
@@ -63,23 +64,28 @@ def test_store_fuzz_keeps_the_job_healthy():
     stats = {"inputs": 0}
     stop = threading.Event()
 
-    def fuzz():
-        rng = random.Random(1234)
+    lock = threading.Lock()
+
+    def fuzz(seed):
+        rng = random.Random(seed)
         while not stop.is_set():
             try:
                 _one_input(rng, port, secret.encode())
-                stats["inputs"] += 1
+                with lock:
+                    stats["inputs"] += 1
             except OSError:
                 time.sleep(0.01)  # the store is not up yet, or just closed the connection
 
-    fuzzer = threading.Thread(target=fuzz, daemon=True)
-    fuzzer.start()
+    fuzzers = [threading.Thread(target=fuzz, args=(1234 + i,), daemon=True) for i in range(FUZZ_THREADS)]
+    for f in fuzzers:
+        f.start()
     try:
         results = run_world(2, "healthy_for.py", [str(FUZZ_SECONDS)], timeout=FUZZ_SECONDS + 90, port=port,
                             secret=secret)
     finally:
         stop.set()
-        fuzzer.join()
+        for f in fuzzers:
+            f.join()
     assert_all_ok(results)
     line = next(l for l in results[0].stdout.splitlines() if l.startswith("REFUSED="))
     refused = int(line.split()[0].split("=")[1])

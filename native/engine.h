@@ -215,6 +215,7 @@ class Engine {
   // Other ranks: raises PeerError naming rank 0 when operations wait on negotiation and rank
   // 0 has been silent (no response, no heartbeat) for the stall timeout.
   void check_coordinator_alive();
+  void expire_p2p();  // after SMDDP_TIMEOUT without point-to-point progress
 };
 
 }  // namespace smddp

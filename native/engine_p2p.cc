@@ -134,13 +134,42 @@ bool Engine::progress_p2p() {
   if (busy) {
     last_p2p_progress_us_ = now;
   } else if (now - last_p2p_progress_us_ > int64_t(config_.timeout_s * 1e6)) {
-    std::string peers;
-    for (auto& kv : p2p_sends_) peers += " send to rank " + std::to_string(kv.first) + ";";
-    for (auto& kv : p2p_recvs_) peers += " recv from rank " + std::to_string(kv.first) + ";";
-    throw PeerError("point-to-point operations made no progress for " + std::to_string(int(config_.timeout_s)) +
-                    " s (SMDDP_TIMEOUT):" + peers + " is the peer posting the matching call?");
+    expire_p2p();
+    last_p2p_progress_us_ = now;
   }
   return busy;
+}
+
+// Nothing moved for the timeout. Operations no byte of which has moved fail alone (a receive
+// whose sender never posted, a send nobody reads): the peer may be alive and the engine stays
+// usable. A message stopped halfway means a stuck or dead peer, and the byte stream with it
+// cannot be resumed: that aborts the job.
+void Engine::expire_p2p() {
+  const std::string why = "made no progress for " + std::to_string(int(config_.timeout_s)) +
+                          " s (SMDDP_TIMEOUT): is the peer posting the matching call?";
+  std::string halfway;
+  for (auto& kv : p2p_recvs_) {
+    if (p2p_incoming_[kv.first].header_done > 0) {
+      halfway += " a message from rank " + std::to_string(kv.first) + ";";
+      continue;
+    }
+    for (auto& e : kv.second)
+      complete(e, "recv from rank " + std::to_string(kv.first) + " with tag " + std::to_string(e->tag) + " " + why);
+    kv.second.clear();
+  }
+  for (auto& kv : p2p_sends_) {
+    auto& queue = kv.second;
+    if (!queue.empty() && (queue.front()->p2p_header_done > 0 || queue.front()->p2p_done > 0)) {
+      halfway += " a send to rank " + std::to_string(kv.first) + ";";
+      continue;
+    }
+    for (auto& e : queue)
+      complete(e, "send to rank " + std::to_string(kv.first) + " with tag " + std::to_string(e->tag) + " " + why);
+    queue.clear();
+  }
+  if (!halfway.empty())
+    throw PeerError("point-to-point transfers stopped halfway for " + std::to_string(int(config_.timeout_s)) +
+                    " s (SMDDP_TIMEOUT):" + halfway + " the peer is stuck or dead");
 }
 
 }  // namespace smddp

@@ -54,3 +54,12 @@ def test_stalled_rank_makes_every_other_rank_raise(victim, hosts):
         assert m, r.output
         assert f"rank {victim}" in m.group(2) or f"rank(s) {victim}" in m.group(2), m.group(2)
         assert float(m.group(1)) <= timeout + 2.5, m.group(0)
+
+
+def test_recv_without_a_sender_fails_alone():
+    """After the timeout the receive raises, naming the peer and tag; the engine goes on."""
+    results = run_world(2, "p2p_orphan.py", env={"SMDDP_TIMEOUT": "3"}, timeout=60)
+    assert_all_ok(results)
+    assert all("p2p orphan ok" in r.stdout for r in results)
+    m = re.search(r"RAISED after ([0-9.]+) s: (.*)", results[1].stdout)
+    assert m and "recv from rank 0 with tag 99" in m.group(2) and float(m.group(1)) < 6, results[1].stdout

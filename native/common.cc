@@ -57,4 +57,10 @@ void log_message(int level, const std::string& msg) {
   std::fflush(stderr);
 }
 
+std::string list_text(const std::vector<int64_t>& values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) out += (i ? ", " : "") + std::to_string(values[i]);
+  return out + "]";
+}
+
 }  // namespace smddp

@@ -27,6 +27,8 @@ size_t dtype_size(DType t);
 const char* dtype_name(DType t);
 const char* reduce_op_name(ReduceOp op);
 const char* op_type_name(OpType op);
+// "[1, 2, 3]": shapes, splits and counts in error messages.
+std::string list_text(const std::vector<int64_t>& values);
 bool dtype_is_floating(DType t);
 
 // Every failure the user can see is an Error with a message that names what went wrong.

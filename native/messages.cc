@@ -7,14 +7,6 @@
 namespace smddp {
 
 namespace {
-std::string dims_text(const std::vector<int64_t>& v) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < v.size(); ++i) o << (i ? ", " : "") << v[i];
-  o << "]";
-  return o.str();
-}
-
 bool ragged_first_dim(OpType op) { return op == OpType::kAllgather || op == OpType::kAlltoall; }
 }  // namespace
 
@@ -47,8 +39,8 @@ std::string Signature::field_text(const std::string& field) const {
   if (field == "dtype") return dtype_name(dtype);
   if (field == "reduce op") return reduce_op_name(reduce_op);
   if (field == "root") return std::to_string(root);
-  if (field == "shape") return dims_text(shape);
-  if (field == "splits") return dims_text(splits);
+  if (field == "shape") return list_text(shape);
+  if (field == "splits") return list_text(splits);
   std::ostringstream o;
   o << prescale << "/" << postscale;
   return o.str();

@@ -1,18 +1,10 @@
 #include "validate.h"
 
-#include <sstream>
+#include <climits>
 
 namespace smddp {
 
 namespace {
-
-std::string list_text(const std::vector<int64_t>& v) {
-  std::ostringstream o;
-  o << "[";
-  for (size_t i = 0; i < v.size(); ++i) o << (i ? ", " : "") << v[i];
-  o << "]";
-  return o.str();
-}
 
 [[noreturn]] void fail(const Signature& sig, const std::string& name, const std::string& what) {
   throw Error(std::string(op_type_name(sig.op)) + " '" + name + "': " + what);

@@ -58,12 +58,11 @@ uint64_t Engine::submit(const std::string& name, const Signature& sig, const voi
   std::lock_guard<std::mutex> lock(mutex_);
   if (!abort_message_.empty()) throw Error(abort_message_);
   if (shut_down_) throw Error("the smddp engine was shut down");
-  for (const auto& kv : handles_) {
-    const auto& other = kv.second;
-    if (!other->done && !other->is_p2p && other->name == name)
-      throw Error("tensor '" + name + "' was submitted again before its previous " +
-                  op_type_name(other->sig.op) + " completed; names must be unique among operations in flight");
-  }
+  auto same = in_flight_names_.find(name);
+  if (same != in_flight_names_.end())
+    throw Error("tensor '" + name + "' was submitted again before its previous " + op_type_name(same->second) +
+                " completed; names must be unique among operations in flight");
+  in_flight_names_.emplace(name, sig.op);
   e->handle = next_handle_++;
   handles_[e->handle] = e;
   incoming_.push_back(e);
@@ -122,6 +121,7 @@ void Engine::complete(const std::shared_ptr<Entry>& e, const std::string& error)
     if (e->done) return;
     e->error = error;
     e->done = true;
+    if (!e->is_p2p) in_flight_names_.erase(e->name);
     if (e->notify) {
       completions_.push_back(e->handle);
       completion_cv_.notify_all();

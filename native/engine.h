@@ -161,6 +161,9 @@ class Engine {
   double stall_timeout_s_ = 0;
   std::atomic<int64_t> fusion_bytes_{0};
   std::deque<std::shared_ptr<Entry>> incoming_;
+  // Names of collectives submitted and not yet done (guarded by mutex_): a duplicate is refused
+  // at submission without scanning every handle.
+  std::unordered_map<std::string, OpType> in_flight_names_;
   int batch_depth_ = 0;  // >0: incoming_ is held back (guarded by mutex_)
   // Someone waits on an operation a batch still holds: announce what it holds so far, or the
   // wait (a synchronous call inside the batch) would never return.

@@ -148,12 +148,14 @@ StoreClient::StoreClient(const std::string& host, int port, const std::string& s
   auto start = Clock::now();
   while (true) {
     sock_ = Socket::connect_to(host, port, std::max(1.0, timeout_s - seconds_since(start)));
-    send_frame(sock_, secret, timeout_s, where);
     std::string reply;
     try {
+      send_frame(sock_, secret, timeout_s, where);
       reply = recv_frame(sock_, timeout_s, "rendezvous store", 4096);
     } catch (const PeerError&) {
-      reply.clear();  // closed without a word: a store shutting down (rank 0 re-initialising)
+      // Closed without a word (or reset while we spoke): a store shutting down, rank 0
+      // re-initialising. Try again until the timeout.
+      reply.clear();
     }
     if (reply == welcome) return;
     if (reply == kRefused)

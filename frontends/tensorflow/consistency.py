@@ -93,9 +93,16 @@ def check_variables(variables: Sequence, where: str) -> None:
     check_arrays([variable_name(v) for v in variables], [_value(v) for v in variables], where)
 
 
-# Reductions seen per set of variables (by object identity). A script wraps its tape anew at
-# every step, so the count cannot live in the wrapper.
+# Reductions seen per set of variables. A script wraps its tape anew at every step, so the
+# count cannot live in the wrapper. The key must be the same on every rank, or ranks would check
+# at different reductions and wait on each other: names, shapes and dtypes, which the same code
+# produces on every rank (object ids are reused after garbage collection, differently per rank).
 _reductions = {}
+
+
+def _key(variables) -> tuple:
+    return tuple((variable_name(v), tuple(getattr(v, "shape", ())), str(getattr(v, "dtype", "")))
+                 for v in variables)
 
 
 def _due(key) -> bool:
@@ -112,7 +119,7 @@ def reduction_guard(variables: Sequence, where: str):
     variables = [v for v in variables if is_variable(v)]
     if not variables or not enabled():
         return None
-    key = tuple(id(v) for v in variables)
+    key = _key(variables)
     if tf.executing_eagerly():
         if _due(key):
             check_variables(variables, where)

@@ -6,8 +6,11 @@ package_dir maps them onto the import paths users write.
 import os
 import platform
 
+import shutil
+
 from pybind11.setup_helpers import Pybind11Extension, ParallelCompile, build_ext
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
 ParallelCompile("SMDDP_BUILD_JOBS", default=0).install()
 
@@ -43,9 +46,22 @@ ext = Pybind11Extension(
     depends=[os.path.join("native", f) for f in os.listdir("native") if f.endswith((".h", ".map"))],
 )
 
+
+class build_py_with_c_api(build_py):
+    """The torch Backend's sources ship as package data, compiled on first import against the
+    installed torch; they include the core's C interface header, which lives in native/."""
+
+    def run(self):
+        super().run()
+        target = os.path.join(self.build_lib, "smdistributed", "dataparallel", "torch", "csrc")
+        os.makedirs(target, exist_ok=True)
+        shutil.copy(os.path.join("native", "c_api.h"), target)
+
+
 setup(
     ext_modules=[ext],
-    cmdclass={"build_ext": build_ext},
+    cmdclass={"build_ext": build_ext, "build_py": build_py_with_c_api},
+    package_data={"smdistributed.dataparallel.torch": ["csrc/*.cc", "csrc/*.h"]},
     package_dir={
         "smdistributed": "frontends/package_roots/smdistributed",
         "smdistributed.common": "common",

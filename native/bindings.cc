@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "c_api.h"
 #include "config.h"
 #include "engine.h"
 #include "reduce.h"
@@ -78,6 +79,9 @@ py::dict counters_dict(const Counters& c) {
 }  // namespace
 
 void bind_gpu(py::module_& m);  // bindings_gpu.cc
+namespace smddp {
+const smddp_c_api* c_api();  // c_api.cc
+}
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "smdistributed native collective engine (framework-neutral)";
@@ -98,6 +102,10 @@ PYBIND11_MODULE(_core, m) {
       .value("BARRIER", OpType::kBarrier);
 
   bind_gpu(m);
+  // Native frontends (the torch c10d Backend) call the engine through this table, without
+  // Python in between; see c_api.h.
+  m.attr("_c_api") = py::capsule(static_cast<const void*>(c_api()), SMDDP_C_API_CAPSULE);
+  m.attr("C_API_VERSION") = SMDDP_C_API_VERSION;
   m.def("dtype_size", &dtype_size);
   m.def("config_table", [] {
     std::vector<std::tuple<std::string, std::string, std::string>> rows;
@@ -139,6 +147,8 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("local_size", &Engine::local_size)
       .def_property_readonly("num_hosts", &Engine::num_hosts)
       .def_property_readonly("host_index", &Engine::host_index)
+      .def("_address", [](Engine& e) { return reinterpret_cast<uintptr_t>(&e); },
+           "The engine's address, for native frontends that call it through _c_api.")
       .def("submit",
            [](Engine& e, OpType op, const std::string& name, uintptr_t in, uintptr_t out, size_t count,
               size_t out_capacity, DType dtype, std::vector<int64_t> shape, ReduceOp reduce_op, int root,
@@ -176,11 +186,11 @@ PYBIND11_MODULE(_core, m) {
              e.copy_owned_output(h, reinterpret_cast<void*>(dst));
            })
       .def("release", &Engine::release)
-      .def("watch", &Engine::watch)
+      .def("watch", &Engine::watch, py::arg("handle"), py::arg("channel") = 0)
       .def("begin_batch", &Engine::begin_batch)
       .def("end_batch", &Engine::end_batch)
       .def_property("fusion_threshold", &Engine::fusion_threshold, &Engine::set_fusion_threshold)
-      .def("next_completions", &Engine::next_completions, py::arg("timeout"),
+      .def("next_completions", &Engine::next_completions, py::arg("timeout"), py::arg("channel") = 0,
            py::call_guard<py::gil_scoped_release>())
       .def("counters", [](Engine& e) { return counters_dict(e.counters()); })
       .def("abort_message", &Engine::abort_message)

@@ -37,6 +37,8 @@ void bind_gpu(py::module_& m) {
       .def_property_readonly("size", &NcclGroup::size)
       .def_property_readonly("device", &NcclGroup::device)
       .def_property_readonly("stream", &NcclGroup::stream)
+      .def("_address", [](NcclGroup& g) { return reinterpret_cast<uintptr_t>(&g); },
+           "The group's address, for native frontends that call it through _c_api.")
       .def_property_readonly("nccl_version", &NcclGroup::nccl_version)
       .def("wait_for", &NcclGroup::wait_for, py::arg("stream"))
       .def("allreduce", &NcclGroup::allreduce, py::call_guard<py::gil_scoped_release>())

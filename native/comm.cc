@@ -115,7 +115,15 @@ void Comm::bootstrap(const WorldSpec& spec) {
   std::vector<std::string> hosts(size_), addrs(size_);
   std::vector<int> ports(size_);
   for (int r = 0; r < size_; ++r) {
-    auto f = split_lines(store_->get("rank/" + std::to_string(r), timeout));
+    std::vector<std::string> f;
+    try {
+      f = split_lines(store_->get("rank/" + std::to_string(r), timeout));
+    } catch (const PeerError& e) {
+      // Engines start with a group's first collective (torch groups are made lazily), so a
+      // rank that never calls it is missing here rather than from the collective.
+      throw PeerError("rank " + std::to_string(r) + " did not join within " + std::to_string(int(timeout)) +
+                      " s: every rank of the group must call its first collective (" + e.what() + ")");
+    }
     // Ranks built from different versions of the library would misread each other's messages.
     const std::string theirs = f.size() >= 5 ? f[4] : "1 (or older)";
     if (theirs != std::to_string(kProtocolVersion))

@@ -64,6 +64,13 @@ const std::vector<ConfigVar>& config_table() {
        "optimizer, and after the second batch of model.fit with the broadcast callback) the ranks "
        "compare checksums of their trainable variables and raise, naming the first that differs, "
        "if they do not hold the same model; 0: off"},
+      {"SMDDP_TORCH_BACKEND", "auto",
+       "how init_process_group(\"smddp\") runs: native (the C++ c10d Backend, built against the "
+       "installed torch on first import; an error if it cannot be built), python (the Python process "
+       "group, no per-device Backend), auto (native, else python with a warning naming why)"},
+      {"SMDDP_TORCH_EXTENSION_DIR", "",
+       "where the C++ c10d Backend is built and cached; default ~/.cache/smdistributed/torch-backend, "
+       "one build per torch version and source"},
       {"SMDDP_NCCL_MIN_CTAS", "", "fewest thread blocks one NCCL collective of smddp uses; empty: NCCL's choice"},
       {"SMDDP_HOST", "",
        "overrides the host name used to group ranks into hosts (tests simulate several hosts "

@@ -122,8 +122,8 @@ void Engine::complete(const std::shared_ptr<Entry>& e, const std::string& error)
     e->error = error;
     e->done = true;
     if (!e->is_p2p) in_flight_names_.erase(e->name);
-    if (e->notify) {
-      completions_.push_back(e->handle);
+    if (e->notify_channel >= 0) {
+      completions_[e->notify_channel].push_back(e->handle);
       completion_cv_.notify_all();
     }
   }
@@ -188,25 +188,33 @@ void Engine::copy_owned_output(uint64_t handle, void* dst) {
   if (!v.empty()) std::memcpy(dst, v.data(), v.size());
 }
 
-void Engine::watch(uint64_t handle) {
+void Engine::watch(uint64_t handle, int channel) {
+  if (channel < 0 || channel >= kCompletionChannels) throw Error("no completion channel " + std::to_string(channel));
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = handles_.find(handle);
   if (it == handles_.end()) throw Error("unknown or already released handle " + std::to_string(handle));
   if (it->second->done) {
-    completions_.push_back(handle);
+    completions_[channel].push_back(handle);
     completion_cv_.notify_all();
   } else {
-    it->second->notify = true;
+    it->second->notify_channel = channel;
   }
 }
 
-std::vector<uint64_t> Engine::next_completions(double timeout_s) {
+std::vector<uint64_t> Engine::next_completions(double timeout_s, int channel) {
+  if (channel < 0 || channel >= kCompletionChannels) throw Error("no completion channel " + std::to_string(channel));
   std::unique_lock<std::mutex> lock(mutex_);
+  auto& queue = completions_[channel];
   completion_cv_.wait_for(lock, std::chrono::microseconds(int64_t(timeout_s * 1e6)),
-                          [&] { return !completions_.empty() || shut_down_; });
-  std::vector<uint64_t> out(completions_.begin(), completions_.end());
-  completions_.clear();
+                          [&] { return !queue.empty() || shut_down_; });
+  std::vector<uint64_t> out(queue.begin(), queue.end());
+  queue.clear();
   return out;
+}
+
+bool Engine::is_shut_down() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return shut_down_;
 }
 
 void Engine::release(uint64_t handle) {

@@ -59,7 +59,7 @@ struct Entry {
   int64_t p2p_header[2] = {0, 0};
   size_t p2p_header_done = 0;
   // Completion.
-  bool notify = false;  // report through next_completions()
+  int notify_channel = -1;  // report through next_completions(channel); -1: not watched
   bool done = false;
   std::string error;
 };
@@ -102,10 +102,14 @@ class Engine {
   size_t owned_output_bytes(uint64_t handle);
   void copy_owned_output(uint64_t handle, void* dst);
   void release(uint64_t handle);
-  // Completion notifications for frontends that complete futures: after watch(h), h is
-  // returned once by next_completions() when it finishes (at once if it already has).
-  void watch(uint64_t handle);
-  std::vector<uint64_t> next_completions(double timeout_s);
+  // Completion notifications for frontends that complete futures: after watch(h, c), h is
+  // returned once by next_completions(c) when it finishes (at once if it already has). Each
+  // channel has one reader: the Python frontends read channel 0, the native torch Backend
+  // channel 1, so neither takes the other's notifications.
+  static constexpr int kCompletionChannels = 2;
+  void watch(uint64_t handle, int channel = 0);
+  std::vector<uint64_t> next_completions(double timeout_s, int channel = 0);
+  bool is_shut_down();
 
   const Counters& counters() const { return counters_; }
   std::string abort_message();
@@ -157,7 +161,7 @@ class Engine {
   std::condition_variable work_cv_;   // wakes the background thread
   std::condition_variable done_cv_;   // wakes waiting callers
   std::condition_variable completion_cv_;
-  std::deque<uint64_t> completions_;
+  std::deque<uint64_t> completions_[kCompletionChannels];
   double stall_timeout_s_ = 0;
   std::atomic<int64_t> fusion_bytes_{0};
   std::deque<std::shared_ptr<Entry>> incoming_;

@@ -52,17 +52,22 @@ def test_disagreeing_ranks_raise_on_every_rank(case, nranks, expected):
         assert "terminate called" not in r.output, r.output
 
 
-@pytest.mark.parametrize("case, env", [("missing", {"SMDDP_TIMEOUT": "3"}), ("missing_explicit_timeout", {})],
-                         ids=["SMDDP_TIMEOUT", "new_group-timeout"])
+@pytest.mark.parametrize("case, env", [("missing", {"SMDDP_TIMEOUT": "3"}), ("missing_explicit_timeout", {}),
+                                       ("missing_at_start", {"SMDDP_TIMEOUT": "3"})],
+                         ids=["SMDDP_TIMEOUT", "new_group-timeout", "first-collective"])
 def test_missing_rank_times_out(tmp_path, case, env):
     """A rank that never joins a collective is named after SMDDP_TIMEOUT (which wins over torch's
     default timeout), or after the timeout given to new_group() (which wins over SMDDP_TIMEOUT;
-    the world group then still works)."""
+    the world group then still works). Missing from the group's first collective (which starts
+    the group's engine), it is named as not having joined."""
     results = run_world(3, "torch_errors.py", [case, str(tmp_path)], env=env, timeout=120)
     assert_all_ok(results)
     for r in results[:2]:
         msg = raised(r)[0]
-        assert "submitted by rank(s) 0, 1 but rank(s) 2 did not submit it within 3 s" in msg, msg
+        if case == "missing_at_start":
+            assert "rank 2 did not join within 3 s" in msg, msg
+        else:
+            assert "submitted by rank(s) 0, 1 but rank(s) 2 did not submit it within 3 s" in msg, msg
 
 
 def test_subgroups_and_gloo_beside_smddp():

@@ -28,6 +28,7 @@ from .tensors import contiguous, core_dtype, core_op, nbytes, on_cuda
 from .work import CompletionThread, SmddpWork
 
 OpType = _core.OpType
+SUM = _core.ReduceOp.SUM
 
 
 def _advertise_address() -> str:
@@ -82,24 +83,48 @@ class WorldLayout(NamedTuple):
 
 
 class ProcessGroupSMDDP(dist.ProcessGroup):
+    """The group's implementation. Under the native backend (native_backend.py) it is the
+    Python half of the C++ c10d Backend: it owns the group's engine and NCCL communicator and
+    runs the collectives the C++ fast paths hand it; without that backend it is the process
+    group itself (torch's Python process-group path)."""
+
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
-        host = os.environ.get("SMDDP_HOST") or socket.gethostname()
-        world = WorldInfo(rank=rank, size=size, local_rank=-1, local_size=-1, host=host, store_addr="",
-                          store_port=0, secret=_group_secret(store, rank), launcher="torch")
-        self._core = Core(world, rendezvous=store, advertise_addr=_advertise_address(),
-                          stall_timeout=_stall_timeout(timeout))
-        self._engine = self._core._engine
-        self._orphans = self._core._orphans  # buffers of Works dropped unfinished (common/inflight.py)
+        self._store = store
+        self._timeout = timeout
+        self._timeout_s = _stall_timeout(timeout)
+        self._core_obj = None  # made on first use: a group costs nothing until then
+        self._core_lock = threading.Lock()
         self._seq = itertools.count()
         self._seq_lock = threading.Lock()
         self._completion_thread = None
-        self._store = store
-        self._timeout_s = _stall_timeout(timeout)
         self._cuda_collectives = None
         self._cuda_checks = os.environ.get("SMDDP_CUDA_CHECKS", "1") != "0"
+        self._splits = itertools.count()  # split() calls, made in the same order on every rank
 
     # -- plumbing ---------------------------------------------------------------------------
+    @property
+    def _core(self) -> Core:
+        """The group's CPU engine, bootstrapped through the group's store on first use (every
+        rank of the group reaches it with the group's first collective)."""
+        with self._core_lock:
+            if self._core_obj is None:
+                host = os.environ.get("SMDDP_HOST") or socket.gethostname()
+                world = WorldInfo(rank=self.rank(), size=self.size(), local_rank=-1, local_size=-1, host=host,
+                                  store_addr="", store_port=0, secret=_group_secret(self._store, self.rank()),
+                                  launcher="torch")
+                self._core_obj = Core(world, rendezvous=self._store, advertise_addr=_advertise_address(),
+                                      stall_timeout=self._timeout_s)
+            return self._core_obj
+
+    @property
+    def _engine(self):
+        return self._core._engine
+
+    @property
+    def _orphans(self):
+        return self._core._orphans  # buffers of Works dropped unfinished (common/inflight.py)
+
     @property
     def engine(self):
         """The group's native engine (for frontends that submit named operations to it)."""
@@ -109,6 +134,30 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         """Where this rank sits: its local rank and size on its host, the hosts, its host."""
         c = self._core
         return WorldLayout(c.local_rank, c.local_size, c.num_hosts, c.host_index)
+
+    # -- what the C++ Backend asks of its Python half --------------------------------------
+    def _native_engine(self):
+        return self._engine
+
+    def _native_cuda(self, tensor: torch.Tensor):
+        """(NcclGroup, stream id, device index, device type) of the group's communicator,
+        made on `tensor`'s device if this is the group's first CUDA collective."""
+        gpu = self._cuda([tensor], "collective")
+        s = gpu.stream
+        return gpu.nccl, s.stream_id, s.device_index, s.device_type
+
+    def _split(self, store, ranks, timeout_ms: int):
+        """torch's split_group: the child group over `ranks` (ranks of this group), or None on a
+        rank outside it. Its engine and communicator are made on first use, as for any group."""
+        n = next(self._splits)
+        members = sorted(int(r) for r in ranks)
+        if self.rank() not in members:
+            return None
+        child = ProcessGroupSMDDP(dist.PrefixStore(f"smddp/split/{n}/", store), members.index(self.rank()),
+                                  len(members), timedelta(milliseconds=timeout_ms))
+        from . import native_backend
+
+        return native_backend.load().BackendSMDDP(child, child.rank(), child.size(), int(timeout_ms))
 
     def getBackendName(self) -> str:
         return "smddp"
@@ -155,7 +204,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         with self._seq_lock:
             return f"c10d.{next(self._seq)}.{kind}"
 
-    def _submit(self, op, kind, inp: torch.Tensor, out, *, shape=None, reduce=_core.ReduceOp.SUM, root=0,
+    def _submit(self, op, kind, inp: torch.Tensor, out, *, shape=None, reduce=SUM, root=0,
                 splits=(), per_rank=(), name=None) -> int:
         self._orphans.sweep()
         return self._engine.submit(
@@ -397,9 +446,28 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         # those failures to their futures before it stops.
         if self._cuda_collectives is not None:
             self._cuda_collectives.shutdown()
-        self._core.shutdown()
+        if self._core_obj is not None:
+            self._core_obj.shutdown()
         if self._completion_thread is not None:
             self._completion_thread.stop()
 
     def abort(self):
         self.shutdown()
+
+
+def smddp_group(group=None) -> ProcessGroupSMDDP:
+    """The smddp implementation behind a torch process group (default: the world), whether
+    the group runs the native c10d Backend or the Python process group."""
+    pg = group or dist.group.WORLD
+    if pg is None or not dist.is_initialized():
+        raise RuntimeError("call torch.distributed.init_process_group(backend=\"smddp\") first")
+    if isinstance(pg, ProcessGroupSMDDP):
+        return pg
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except Exception:
+        backend = None
+    impl = backend if isinstance(backend, ProcessGroupSMDDP) else getattr(backend, "impl", None)
+    if not isinstance(impl, ProcessGroupSMDDP):
+        raise RuntimeError(f"the process group is not of the smddp backend (it runs {pg.name()})")
+    return impl

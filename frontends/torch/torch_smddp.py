@@ -11,18 +11,41 @@ SMDATAPARALLEL_* variables that clients such as Hugging Face transformers read.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch.distributed as dist
 
 from smdistributed.common.discovery import discover, export_original_environment
 
-from .process_group import ProcessGroupSMDDP
+from . import native_backend
+from .process_group import ProcessGroupSMDDP, smddp_group  # noqa: F401 (smddp_group: public)
 
 BACKEND_NAME = "smddp"
 
 
+def _create_backend(dist_backend_opts, backend_options):
+    """torch's extended creator: the C++ Backend, which torch attaches to the group for cpu and
+    cuda (so device_id=, _get_backend, split_group and DeviceMesh work)."""
+    o = dist_backend_opts
+    impl = ProcessGroupSMDDP(o.store, o.group_rank, o.group_size, o.timeout)
+    return native_backend.load().BackendSMDDP(impl, o.group_rank, o.group_size,
+                                              int(o.timeout.total_seconds() * 1000))
+
+
 def _create_process_group(store, rank, size, timeout):
     return ProcessGroupSMDDP(store, rank, size, timeout)
+
+
+def _register() -> None:
+    module, why = native_backend.try_load()
+    if module is not None:
+        dist.Backend.register_backend(BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"])
+        return
+    if native_backend.mode() != "python":
+        warnings.warn(f"smddp: running the Python process group, not the native c10d Backend ({why}); "
+                      "init_process_group(device_id=...), split_group and per-device backends will not work",
+                      RuntimeWarning, stacklevel=3)
+    dist.Backend.register_backend(BACKEND_NAME, _create_process_group, devices=["cpu", "cuda"])
 
 
 def _fill_torch_environment() -> None:
@@ -50,5 +73,5 @@ def _fill_torch_environment() -> None:
 
 
 if BACKEND_NAME not in dist.Backend.backend_list:
-    dist.Backend.register_backend(BACKEND_NAME, _create_process_group, devices=["cpu", "cuda"])
+    _register()
 _fill_torch_environment()

@@ -98,3 +98,11 @@ def expect_raises(fn, exc_type, *fragments):
             assert f in msg, f"expected {f!r} in the error message, got: {msg}"
         return msg
     raise AssertionError(f"expected {exc_type.__name__} mentioning {fragments}")
+
+
+def native_backend() -> bool:
+    """Whether the world group runs the C++ c10d Backend (else the Python process group)."""
+    try:
+        return hasattr(dist.group.WORLD._get_backend(torch.device("cpu")), "impl")
+    except RuntimeError:
+        return False

@@ -43,6 +43,9 @@ def main(case):
         # The last rank never joins one all_reduce: the others fail after the timeout, naming it,
         # while it waits (outside the backend) until they have.
         sync = sys.argv[2]
+        if case != "missing_at_start":
+            # Every rank starts the group's engine (its first collective); then one is missing.
+            dist.all_reduce(torch.ones(1), group=group)
         if me != P - 1:
             expect_error(lambda: dist.all_reduce(torch.ones(4), group=group))
             open(os.path.join(sync, f"failed.{me}"), "w").close()

@@ -25,7 +25,7 @@ from smdistributed import _core
 
 from ..deprecation import warn_once
 from ..cuda_collectives import CudaCollectives
-from ..process_group import ProcessGroupSMDDP
+from ..process_group import smddp_group
 from ..tensors import check_tensor, core_dtype, on_cuda
 from .gpu_buckets import GpuGradientBuckets
 
@@ -34,18 +34,13 @@ _instances = itertools.count()  # wrappers are created in the same order on ever
 
 
 def _smddp_group(process_group):
-    pg = process_group or dist.group.WORLD
-    if pg is None or not dist.is_initialized():
+    if not dist.is_initialized():
         raise RuntimeError("DistributedDataParallel: call init_process_group() (backend smddp) before wrapping")
-    backend = pg if isinstance(pg, ProcessGroupSMDDP) else None
-    if backend is None:
-        try:
-            backend = pg._get_backend(torch.device("cpu"))
-        except Exception:
-            backend = None
-    if not isinstance(backend, ProcessGroupSMDDP):
-        raise RuntimeError("smdistributed DistributedDataParallel needs a process group of the smddp backend")
-    return backend
+    try:
+        return smddp_group(process_group)
+    except RuntimeError as e:
+        raise RuntimeError(f"smdistributed DistributedDataParallel needs a process group of the smddp backend: {e}") \
+            from None
 
 
 class DistributedDataParallel(torch.nn.Module):

@@ -28,10 +28,33 @@ from smdistributed.dataparallel.torch.parallel import DistributedDataParallel as
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def build(dev):
+def build(dev, model="anchor"):
     torch.manual_seed(0)
+    if model == "resnet50":  # torchvision's, with BatchNorm (DDP broadcasts its buffers every step)
+        import torchvision
+
+        return torchvision.models.resnet50().to(dev).to(memory_format=torch.channels_last)
+    if model == "gpt2":  # transformers' GPT-2 124M
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        return GPT2LMHeadModel(GPT2Config()).to(dev)
     layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True)
     return torch.nn.TransformerEncoder(layer, 12).to(dev)
+
+
+def batch(dev, model="anchor"):
+    g = torch.Generator(device="cpu").manual_seed(1)
+    if model == "resnet50":
+        return torch.randn(64, 3, 224, 224, generator=g).to(dev).to(memory_format=torch.channels_last)
+    if model == "gpt2":
+        return torch.randint(0, 50257, (8, 512), generator=g).to(dev)
+    return torch.randn(16, 256, 1024, generator=g).to(dev)
+
+
+def loss_of(model, x):
+    if x.dtype == torch.long:  # GPT-2: language-model loss on its own tokens
+        return model(input_ids=x, labels=x).loss
+    return model(x).float().pow(2).mean()
 
 
 def run(model, params, x, steps=20, warmup=5):
@@ -42,7 +65,7 @@ def run(model, params, x, steps=20, warmup=5):
             t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(x).float().pow(2).mean()
+            loss = loss_of(model, x)
         loss.backward()
         opt.step()
     torch.cuda.synchronize()
@@ -74,24 +97,27 @@ def _hooked(ddp):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="", help="comma-separated variant names to run")
+    ap.add_argument("--only", default="", help="variant names to run, separated by semicolons")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--model", default="anchor", choices=["anchor", "resnet50", "gpt2"],
+                    help="anchor: the anchor transformer (batch 16x256); resnet50: torchvision, batch 64x224^2; "
+                         "gpt2: transformers' 124M, batch 8x512")
     args = ap.parse_args()
     dist.init_process_group("smddp")
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank % torch.cuda.device_count())
     dev = torch.device("cuda", torch.cuda.current_device())
     nccl = dist.new_group(backend="nccl")
-    x = torch.randn(16, 256, 1024, device=dev)
-    wanted = [v for v in args.only.split(",") if v]
+    x = batch(dev, args.model)
+    wanted = [v.strip() for v in args.only.split(";") if v.strip()]
     # Every configuration is built once, then timed in turn, round after round, the one-GPU
     # loop among them: a host-bound step drifts with the machine's state, and interleaving
     # gives every configuration the same conditions. Each keeps its best round.
-    configs = {"one GPU": build(dev)}
+    configs = {"one GPU": build(dev, args.model)}
     params = sum(p.numel() for p in configs["one GPU"].parameters())
     for name, wrap in variants(nccl):
         if not wanted or name in wanted:
-            configs[name] = wrap(build(dev))
+            configs[name] = wrap(build(dev, args.model))
     best = {name: float("inf") for name in configs}
     for _ in range(args.rounds):
         for name, model in configs.items():
@@ -102,14 +128,16 @@ def main():
     single = steps.pop("one GPU")
     results = {name: dict(step_ms=s * 1e3, scaling_eff=single / s) for name, s in steps.items()}
     if rank == 0:
-        print(f"anchor transformer, {params / 1e6:.0f}M parameters, {n} x {torch.cuda.get_device_name(0)}, "
+        print(f"{args.model}, {params / 1e6:.0f}M parameters, {n} x {torch.cuda.get_device_name(0)}, "
               f"torch {torch.__version__}; one GPU: {single * 1e3:.2f} ms/step")
         print(f"{'configuration':<40} {'step ms':>8} {'efficiency':>10}")
         for name, r in results.items():
             print(f"{name:<40} {r['step_ms']:>8.2f} {r['scaling_eff']:>10.3f}")
         RESULTS.mkdir(exist_ok=True)
-        out = RESULTS / f"gpu_ddp_scaling_{n}gpu.json"
-        out.write_text(json.dumps(dict(command=f"smddprun -np {n} python bench/gpu_ddp_scaling.py", world=n,
+        suffix = "" if args.model == "anchor" else f"_{args.model}"
+        out = RESULTS / f"gpu_ddp_scaling_{n}gpu{suffix}.json"
+        out.write_text(json.dumps(dict(command=f"smddprun -np {n} python bench/gpu_ddp_scaling.py --model {args.model}",
+                                       model=args.model, world=n,
                                        device=torch.cuda.get_device_name(0), torch=torch.__version__,
                                        params=params, single_step_ms=single * 1e3, results=results), indent=1))
         print("wrote", out)

@@ -150,6 +150,14 @@ int nccl_reduce_scatter(void* group, uintptr_t in, uintptr_t out, size_t count_p
   });
 }
 
+int nccl_broadcast(void* group, uintptr_t in, uintptr_t out, size_t count, int32_t dtype, int32_t root, char* err,
+                   size_t err_len) {
+  return guarded<int>(err, err_len, 1, [&] {
+    group_of(group)->broadcast(in, out, count, to_dtype(dtype), root);
+    return 0;
+  });
+}
+
 void* nccl_record(void* group, char* err, size_t err_len) {
   return guarded<void*>(err, err_len, nullptr, [&] { return hand_out(group_of(group)->record()); });
 }
@@ -192,7 +200,7 @@ const smddp_c_api* c_api() {
   static const smddp_c_api api = {
       SMDDP_C_API_VERSION, sizeof(smddp_c_api),
       engine_submit, engine_wait, engine_watch, engine_next_completions, engine_counters,
-      nccl_allreduce_after, nccl_check, nccl_wait_for, nccl_allgather, nccl_reduce_scatter, nccl_record, nccl_error,
+      nccl_allreduce_after, nccl_check, nccl_wait_for, nccl_allgather, nccl_reduce_scatter, nccl_broadcast, nccl_record, nccl_error,
       nccl_stream,
       event_block, event_query, event_synchronize, event_release,
   };

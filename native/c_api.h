@@ -67,6 +67,8 @@ typedef struct smddp_c_api {
                         size_t err_len);
   int (*nccl_reduce_scatter)(void* group, uintptr_t in, uintptr_t out, size_t count_per_rank, int32_t dtype,
                              int32_t reduce_op, char* err, size_t err_len);
+  int (*nccl_broadcast)(void* group, uintptr_t in, uintptr_t out, size_t count, int32_t dtype, int32_t root,
+                        char* err, size_t err_len);
   void* (*nccl_record)(void* group, char* err, size_t err_len);
   /* The group's failure, if any: the message's length (0: none), copied into buf. */
   size_t (*nccl_error)(void* group, char* buf, size_t buf_len);

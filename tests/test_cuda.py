@@ -131,3 +131,43 @@ def test_cuda_horovod_api_and_training():
     results = run_world(WORLD, "torch_horovod.py", gpus=True, timeout=600)
     assert_all_ok(results)
     assert all("HOROVOD API OK" in r.stdout for r in results)
+
+
+@needs_two_gpus
+def test_cuda_per_device_backend_api():
+    """device_id=, _get_backend('cuda'), new_group, DeviceMesh with DTensor, split_group and
+    destroy_process_group on GPUs."""
+    results = run_world(WORLD, "torch_backend_api.py", gpus=True, timeout=300)
+    assert_all_ok(results)
+    assert all("BACKEND API OK" in r.stdout for r in results)
+
+
+def _launch(worker, env=None, timeout=600):
+    """The worker under smddprun, one rank per GPU, as users start it."""
+    from pathlib import Path
+
+    path = Path(__file__).parent / "workers" / worker
+    cmd = [sys.executable, "-m", "smdistributed.common.launcher", "-np", str(WORLD), "--", sys.executable, str(path)]
+    e = dict(os.environ, SMDDP_TEST_DEVICE="cuda", SMDDP_TIMEOUT="120", **(env or {}))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=e,
+                          cwd=str(path.parent))
+
+
+@needs_two_gpus
+def test_cuda_lightning_ddp_strategy_on_smddp():
+    """Lightning's DDPStrategy(process_group_backend="smddp") on GPUs: Lightning passes device_id
+    and asks the group for its CUDA Backend; training equals one process."""
+    pytest.importorskip("pytorch_lightning")
+    proc = _launch("lightning_ddp.py")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("LIGHTNING OK") == WORLD, proc.stdout + proc.stderr
+
+
+@needs_two_gpus
+def test_cuda_hugging_face_trainer_with_sagemaker_switch(tmp_path):
+    """transformers' Trainer with SM_FRAMEWORK_PARAMS' data-parallel switch: it (and accelerate)
+    import torch_smddp and init smddp themselves, reading SMDATAPARALLEL_LOCAL_RANK."""
+    pytest.importorskip("transformers")
+    proc = _launch("hf_trainer_smddp.py", env={"HF_OUT": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("HF TRAINER OK") == WORLD, proc.stdout + proc.stderr

@@ -79,3 +79,13 @@ def test_subgroups_and_gloo_beside_smddp():
     results = run_world(3, "torch_groups.py")
     assert_all_ok(results)
     assert all("GROUPS OK" in r.stdout for r in results)
+
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_per_device_backend_api(nranks):
+    """init_process_group(device_id=), _get_backend per device, new_group, 1-D and 2-D DeviceMesh
+    with DTensor, destroy_process_group (split_group runs in the CUDA suite: torch splits only
+    accelerator groups)."""
+    results = run_world(nranks, "torch_backend_api.py", timeout=180)
+    assert_all_ok(results)
+    assert all("BACKEND API OK" in r.stdout for r in results)

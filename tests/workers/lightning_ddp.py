@@ -39,7 +39,10 @@ def main():
     mine = torch.utils.data.TensorDataset(x[rank::world], y[rank::world])
     loader = torch.utils.data.DataLoader(mine, batch_size=PER_RANK, shuffle=False)
     model = Regression()
-    trainer = pl.Trainer(strategy=DDPStrategy(process_group_backend="smddp"), accelerator="cpu", devices=world,
+    # SMDDP_TEST_DEVICE=cuda: one GPU per rank (Lightning then passes device_id to
+    # init_process_group and asks the group for its CUDA Backend).
+    accelerator = "gpu" if os.environ.get("SMDDP_TEST_DEVICE") == "cuda" else "cpu"
+    trainer = pl.Trainer(strategy=DDPStrategy(process_group_backend="smddp"), accelerator=accelerator, devices=world,
                          max_epochs=EPOCHS, enable_progress_bar=False, enable_checkpointing=False, logger=False,
                          enable_model_summary=False, use_distributed_sampler=False)
     trainer.fit(model, loader)
@@ -54,7 +57,7 @@ def main():
             torch.nn.functional.mse_loss(ref.net(x[idx]), y[idx]).backward()
             opt.step()
     for (name, a), b in zip(model.net.named_parameters(), ref.net.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
     print(f"rank {trainer.global_rank}: LIGHTNING OK", flush=True)
 
 

@@ -37,7 +37,7 @@ int32_t core_reduce(const c10d::ReduceOp& op) {
 
 const std::vector<int64_t> kNone;  // no splits
 
-enum CoreOpType : int32_t { kAllreduce = 0, kAllgather = 3, kReduceScatter = 4 };
+enum CoreOpType : int32_t { kAllreduce = 0, kBroadcast = 1, kAllgather = 3, kReduceScatter = 4 };
 
 // Tensors the fast paths take: dense, contiguous, of a dtype the core carries, on `device`.
 bool plain(const at::Tensor& t, c10::DeviceType device) {
@@ -81,7 +81,7 @@ BackendSMDDP::~BackendSMDDP() {
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> BackendSMDDP::getBackendOptions() {
-  auto options = c10::make_intrusive<Options>("smddp", timeout_);
+  auto options = c10::make_intrusive<OptionsSMDDP>(timeout_);
   options->group_name = getGroupUid();
   options->group_desc = getGroupDesc();
   return options;
@@ -270,6 +270,26 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::_reduce_scatter_base(at::Tensor& ou
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::broadcast(std::vector<at::Tensor>& tensors,
                                                       const c10d::BroadcastOptions& opts) {
+  // DDP broadcasts its buffers (BatchNorm statistics) as one flat tensor every step.
+  if (tensors.size() == 1 && plain(tensors[0], c10::DeviceType::CUDA) && !p2p_may_be_held_ && opts.rootRank >= 0 &&
+      opts.rootRank < getSize()) {
+    const at::Tensor& t = tensors[0];
+    auto link = cuda(t);
+    if (t.device() == link->stream.device()) {
+      std::vector<int64_t> shape = {t.numel()};
+      smddp_signature sig = signature(kBroadcast, t, 0, shape, kNone);
+      sig.root = int32_t(opts.rootRank);
+      ErrorText err;
+      TORCH_CHECK(core().nccl_check(link->group, "broadcast", &sig, err.text, sizeof(err.text)) == 0 &&
+                      core().nccl_wait_for(link->group, current_stream(t.device()), err.text, sizeof(err.text)) == 0 &&
+                      core().nccl_broadcast(link->group, address(t), address(t), size_t(t.numel()), sig.dtype,
+                                            sig.root, err.text, sizeof(err.text)) == 0,
+                  "smddp broadcast: ", err.text);
+      void* event = core().nccl_record(link->group, err.text, sizeof(err.text));
+      TORCH_CHECK(event != nullptr, "smddp broadcast: ", err.text);
+      return finish_cuda(link, c10d::OpType::BROADCAST, event, {t}, tensors);
+    }
+  }
   p2p_may_be_held_ = false;
   return delegate("broadcast", tensors, opts);
 }

@@ -124,6 +124,11 @@ class CudaWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// The group's options as torch's split_group copies them (copy.deepcopy(backend.options)).
+struct OptionsSMDDP : c10d::Backend::Options {
+  explicit OptionsSMDDP(std::chrono::milliseconds timeout) : Options("smddp", timeout) {}
+};
+
 // A Work the Python implementation returned. It keeps the Python object alive as long as
 // torch holds the Work, and answers every question through it (torch's own holder forwards
 // only wait and get_future; is_completed would read the empty C++ base).

@@ -13,6 +13,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   // torch.distributed.Backend is the Python name registry; the C++ class is bound here.
   auto backend_type = py::module_::import("torch._C._distributed_c10d").attr("Backend");
+  py::class_<OptionsSMDDP, c10::intrusive_ptr<OptionsSMDDP>>(m, "Options", backend_type.attr("Options"))
+      .def(py::init([](int64_t timeout_ms) {
+             return c10::make_intrusive<OptionsSMDDP>(std::chrono::milliseconds(timeout_ms));
+           }),
+           py::arg("timeout_ms"))
+      .def("__deepcopy__", [](const OptionsSMDDP& o, py::dict) { return c10::make_intrusive<OptionsSMDDP>(o); })
+      .def("__copy__", [](const OptionsSMDDP& o) { return c10::make_intrusive<OptionsSMDDP>(o); });
   // torch's own bindings use a holder that releases the GIL when the last reference goes.
   py::class_<BackendSMDDP, c10::intrusive_ptr<BackendSMDDP>>(m, "BackendSMDDP", backend_type)
       .def(py::init([](py::object impl, int rank, int size, int64_t timeout_ms) {
@@ -20,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                       std::chrono::milliseconds(timeout_ms));
            }),
            py::arg("impl"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"))
+      .def_property_readonly("options", &BackendSMDDP::getBackendOptions)
       .def_property_readonly("impl", &BackendSMDDP::impl, "The group's Python implementation (ProcessGroupSMDDP).")
       .def("engine_counters", &BackendSMDDP::engine_counters,
            "[submitted, cache hits, cache misses] of the group's CPU engine (zeros before first use).")

@@ -186,7 +186,10 @@ class Engine {
     std::string name;
     Signature sig;
   };
-  std::unordered_map<std::string, uint32_t> cache_by_name_;
+  // Keyed by name and signature: a name that recurs with a few signatures in turn (the torch
+  // Backend's names repeat by position, see frontends/torch/csrc/backend.cc) hits for each.
+  std::unordered_map<std::string, uint32_t> cache_by_key_;
+  static std::string cache_key(const std::string& name, const Signature& sig);
   std::vector<CacheEntry> cache_;  // index = id
   std::vector<char> fusion_buffer_;
   std::map<int, std::deque<std::shared_ptr<Entry>>> p2p_sends_, p2p_recvs_;

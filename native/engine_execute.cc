@@ -40,7 +40,7 @@ void Engine::execute(const Response& r) {
     if (!r.is_error && re.cache_id != Announcement::kNoCacheId && re.cache_id >= cache_.size()) {
       cache_.resize(re.cache_id + 1);
       cache_[re.cache_id] = {re.name, e->sig};
-      cache_by_name_[re.name] = re.cache_id;
+      cache_by_key_[cache_key(re.name, e->sig)] = re.cache_id;
     }
   }
   if (r.is_error) {

@@ -26,6 +26,13 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 }  // namespace
 
+std::string Engine::cache_key(const std::string& name, const Signature& sig) {
+  Writer w;
+  w.put_string(name);
+  sig.write(w);
+  return w.take();
+}
+
 bool Engine::announce_new_entries() {
   std::deque<std::shared_ptr<Entry>> fresh;
   {
@@ -46,8 +53,8 @@ bool Engine::announce_new_entries() {
     e->announce_us = now_us();
     Announcement a;
     a.per_rank = e->per_rank;
-    auto cached = cache_by_name_.find(e->name);
-    if (cached != cache_by_name_.end() && cache_[cached->second].sig == e->sig) {
+    auto cached = cache_by_key_.find(cache_key(e->name, e->sig));
+    if (cached != cache_by_key_.end()) {
       a.cache_id = cached->second;
       counters_.cache_hits++;
     } else {
@@ -179,13 +186,14 @@ std::vector<Response> Engine::build_responses() {
       out.push_back(std::move(r));
       continue;
     }
-    auto cached = cache_by_name_.find(name);
-    if (cached != cache_by_name_.end() && cache_[cached->second].sig == sig) {
+    const std::string key = cache_key(name, sig);
+    auto cached = cache_by_key_.find(key);
+    if (cached != cache_by_key_.end()) {
       entry.cache_id = cached->second;
-    } else if (cached == cache_by_name_.end() && int64_t(cache_.size()) < config_.cache_capacity) {
+    } else if (int64_t(cache_.size()) < config_.cache_capacity) {
       entry.cache_id = uint32_t(cache_.size());
       cache_.push_back({name, sig});
-      cache_by_name_[name] = entry.cache_id;
+      cache_by_key_[key] = entry.cache_id;
     }
     if (sig.op == OpType::kAllreduce) {
       const int64_t bytes = element_count(sig.shape) * int64_t(dtype_size(sig.dtype));

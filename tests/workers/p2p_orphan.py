@@ -29,6 +29,9 @@ def main():
     elif core.rank == 1:
         got = core.recv(np.empty(3, np.float32), 0, tag=5)
         assert np.all(got == 7.0)
+    # Rank 0's goodbye ends all communication (docs/core.md): without this barrier rank 1's
+    # receive could be submitted after it, and be refused although the message had arrived.
+    core.barrier(name="before-exit")
     print(f"rank {core.rank}: p2p orphan ok", flush=True)
     engine.shutdown()
 

@@ -124,6 +124,32 @@ std::string BackendSMDDP::next_name(const char* kind) {
   return "t." + std::to_string(sequence_++) + "." + kind;
 }
 
+// The engine answers a (name, signature) it has agreed on before from its response cache:
+// ranks announce a 4-byte id instead of the description. c10d calls carry no names, so the CPU
+// fast paths name each call by its kind and its position among calls of that kind, modulo
+// kNameWindow: a training step that repeats (DDP's buckets, FSDP's shards) repeats its
+// (name, signature) pairs, and every pair gets an id. All ranks make c10d calls in the same
+// order, so they agree on every name, and ranks that pass different tensors to one call still
+// meet under one name, where the coordinator names the difference. A name is reused only once
+// this rank's previous operation of that name has finished (the engine refuses a name twice in
+// flight); every rank reaches that wait at the same point of its program, and it waits only
+// with more than kNameWindow operations of one kind in flight.
+constexpr uint64_t kNameWindow = 16;
+
+std::string BackendSMDDP::reusable_name(const char* kind) {
+  std::string name;
+  c10::intrusive_ptr<CpuWork> previous;
+  {
+    std::lock_guard<std::mutex> lock(names_mutex_);
+    std::string base = std::string("t.") + kind;
+    name = base + "#" + std::to_string(occurrences_[base]++ % kNameWindow);
+    auto it = named_.find(name);
+    if (it != named_.end()) previous = it->second.lock();
+  }
+  if (previous) previous->wait_quietly();
+  return name;
+}
+
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::submit_cpu(c10d::OpType type, const char* kind,
                                                        const std::vector<at::Tensor>& ins,
                                                        const std::vector<at::Tensor>& outs,
@@ -132,11 +158,15 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::submit_cpu(c10d::OpType type, const
                                                        std::vector<at::Tensor> results, std::vector<at::Tensor> keep) {
   auto link = cpu();
   std::vector<uint64_t> handles;
+  std::vector<std::string> names;
   ErrorText err;
   std::string failure;
   for (size_t i = 0; i < ins.size(); ++i) {
     const at::Tensor& out = outs[i];
-    uint64_t h = core().engine_submit(link->engine(), next_name(kind).c_str(), &sigs[i], ins[i].data_ptr(),
+    // One tensor per call (DDP's buckets, FSDP's shards): a name that repeats each step. Several
+    // in one call could need a name the same call still holds, so they take unique names.
+    names.push_back(ins.size() == 1 ? reusable_name(kind) : next_name(kind));
+    uint64_t h = core().engine_submit(link->engine(), names.back().c_str(), &sigs[i], ins[i].data_ptr(),
                                       out.data_ptr(), size_t(ins[i].numel()), out.nbytes(), per_rank[i].data(),
                                       per_rank[i].size(), err.text, sizeof(err.text));
     if (h == 0) {
@@ -148,6 +178,10 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::submit_cpu(c10d::OpType type, const
   auto work = c10::make_intrusive<CpuWork>(link, type, std::move(results), std::move(keep), handles.size());
   // Tracked even when a later submission failed: the engine still uses the earlier buffers.
   link->track(work, handles);
+  if (ins.size() == 1 && !handles.empty()) {
+    std::lock_guard<std::mutex> lock(names_mutex_);
+    named_.insert_or_assign(names[0], c10::weak_intrusive_ptr<CpuWork>(work));
+  }
   TORCH_CHECK(failure.empty(), failure);
   return work;
 }

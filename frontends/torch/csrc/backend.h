@@ -82,6 +82,8 @@ class CpuWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   // From the completion thread: one handle finished (error empty on success).
   void handle_done(const std::string& error);
+  // Waits until every handle finished, without raising its error (that is the Work's owner's).
+  void wait_quietly();
 
  private:
   std::shared_ptr<EngineLink> link_;
@@ -216,6 +218,9 @@ class BackendSMDDP : public c10d::Backend {
   std::shared_ptr<EngineLink> cpu();                   // made on first use
   std::shared_ptr<CudaLink> cuda(const at::Tensor& t);  // made on first use, on t's device
   std::string next_name(const char* kind);
+  // A name that repeats from step to step (see backend.cc), waiting first for this rank's
+  // previous operation of that name.
+  std::string reusable_name(const char* kind);
   c10::intrusive_ptr<c10d::Work> submit_cpu(c10d::OpType type, const char* kind, const std::vector<at::Tensor>& ins,
                                             const std::vector<at::Tensor>& outs, const std::vector<smddp_signature>& sigs,
                                             const std::vector<std::vector<int64_t>>& per_rank,
@@ -229,6 +234,9 @@ class BackendSMDDP : public c10d::Backend {
   std::shared_ptr<EngineLink> cpu_;
   std::shared_ptr<CudaLink> cuda_;
   std::atomic<uint64_t> sequence_{0};
+  std::mutex names_mutex_;
+  std::unordered_map<std::string, uint64_t> occurrences_;  // calls per kind
+  std::unordered_map<std::string, c10::weak_intrusive_ptr<CpuWork>> named_;  // last Work per name
   // Point-to-point work on CUDA is held back by the Python side until it is waited on or a
   // collective follows; while any may be held, CUDA collectives go through Python too, so
   // they are launched after it, in program order.

@@ -158,6 +158,11 @@ bool CpuWork::wait(std::chrono::milliseconds timeout) {
   return true;
 }
 
+void CpuWork::wait_quietly() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  cv_.wait(lock, [&] { return remaining_ == 0; });
+}
+
 bool CpuWork::isCompleted() {
   std::lock_guard<std::mutex> lock(mutex_);
   return remaining_ == 0;

@@ -79,6 +79,8 @@ def variants(nccl_group):
     yield "torch DDP, smddp", lambda m: TorchDDP(m, device_ids=[m_dev(m)])
     yield "torch DDP, smddp, bucket view", lambda m: TorchDDP(m, device_ids=[m_dev(m)], gradient_as_bucket_view=True,
                                                               static_graph=True, bucket_cap_mb=100)
+    yield "FSDP2, nccl", lambda m: _fsdp(m, nccl_group)
+    yield "FSDP2, smddp", lambda m: _fsdp(m, dist.group.WORLD)
     yield "smdistributed DDP", lambda m: SmddpDDP(m)
     yield "smdistributed DDP, bf16 wire", lambda m: SmddpDDP(m, reduce_dtype=torch.bfloat16)
     yield "smdistributed DDP, overlapped", lambda m: SmddpDDP(m, overlap_communication=True)
@@ -90,6 +92,21 @@ def m_dev(m):
     return next(m.parameters()).device.index
 
 
+def _fsdp(model, group):
+    """FSDP2 (fully_shard) over `group`: each transformer block sharded, then the root."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = DeviceMesh.from_group(group, "cuda")
+    blocks = getattr(model, "layers", None)
+    if blocks is None and hasattr(model, "transformer"):
+        blocks = model.transformer.h
+    for block in blocks or []:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _hooked(ddp):
     ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     return ddp
@@ -99,6 +116,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="variant names to run, separated by semicolons")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tag", default="", help="suffix of the results file (a variant of the environment)")
     ap.add_argument("--model", default="anchor", choices=["anchor", "resnet50", "gpt2"],
                     help="anchor: the anchor transformer (batch 16x256); resnet50: torchvision, batch 64x224^2; "
                          "gpt2: transformers' 124M, batch 8x512")
@@ -134,9 +152,9 @@ def main():
         for name, r in results.items():
             print(f"{name:<40} {r['step_ms']:>8.2f} {r['scaling_eff']:>10.3f}")
         RESULTS.mkdir(exist_ok=True)
-        suffix = "" if args.model == "anchor" else f"_{args.model}"
+        suffix = ("" if args.model == "anchor" else f"_{args.model}") + (f"_{args.tag}" if args.tag else "")
         out = RESULTS / f"gpu_ddp_scaling_{n}gpu{suffix}.json"
-        out.write_text(json.dumps(dict(command=f"smddprun -np {n} python bench/gpu_ddp_scaling.py --model {args.model}",
+        out.write_text(json.dumps(dict(command=f"smddprun -np {n} python bench/gpu_ddp_scaling.py --model {args.model}" + (f" --tag {args.tag}" if args.tag else ""),
                                        model=args.model, world=n,
                                        device=torch.cuda.get_device_name(0), torch=torch.__version__,
                                        params=params, single_step_ms=single * 1e3, results=results), indent=1))

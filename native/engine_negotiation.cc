@@ -179,13 +179,6 @@ std::vector<Response> Engine::build_responses() {
       continue;
     }
     ResponseEntry entry{name, Announcement::kNoCacheId};
-    if (sig.check_only) {
-      Response r;
-      r.sig = sig;
-      r.entries.push_back(entry);
-      out.push_back(std::move(r));
-      continue;
-    }
     const std::string key = cache_key(name, sig);
     auto cached = cache_by_key_.find(key);
     if (cached != cache_by_key_.end()) {
@@ -194,6 +187,13 @@ std::vector<Response> Engine::build_responses() {
       entry.cache_id = uint32_t(cache_.size());
       cache_.push_back({name, sig});
       cache_by_key_[key] = entry.cache_id;
+    }
+    if (sig.check_only) {  // cached like the rest (the CUDA path's names repeat), never fused
+      Response r;
+      r.sig = sig;
+      r.entries.push_back(entry);
+      out.push_back(std::move(r));
+      continue;
     }
     if (sig.op == OpType::kAllreduce) {
       const int64_t bytes = element_count(sig.shape) * int64_t(dtype_size(sig.dtype));

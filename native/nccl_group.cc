@@ -258,16 +258,37 @@ void NcclGroup::attach_engine(Engine* engine) {
   engine_ = engine;
 }
 
+namespace {
+constexpr uint64_t kCheckNameWindow = 16;
+
+// The engine refuses a name twice in flight. Waiting happens only with more than
+// kCheckNameWindow checks of one kind not yet agreed, which every rank reaches at the same call.
+void wait_until_done(Engine* engine, uint64_t handle) {
+  while (true) {
+    try {
+      if (engine->poll(handle)) return;
+    } catch (const std::exception&) {
+      return;  // already waited on and released by the watchdog
+    }
+    std::this_thread::yield();
+  }
+}
+}  // namespace
+
 void NcclGroup::check(const char* kind, OpType op, DType dtype, const std::vector<int64_t>& shape, ReduceOp reduce,
                       int root) {
   Engine* engine;
-  uint64_t n;
+  std::string name;
+  uint64_t previous = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     engine = engine_;
-    n = checks_made_++;
+    if (!engine) return;
+    name = std::string("cuda.") + kind + "#" + std::to_string(checks_per_kind_[kind]++ % kCheckNameWindow);
+    auto it = last_check_of_name_.find(name);
+    if (it != last_check_of_name_.end()) previous = it->second;
   }
-  if (!engine) return;
+  if (previous) wait_until_done(engine, previous);
   Signature sig;
   sig.op = op;
   sig.dtype = dtype;
@@ -275,11 +296,11 @@ void NcclGroup::check(const char* kind, OpType op, DType dtype, const std::vecto
   sig.root = root;
   sig.shape = shape;
   sig.check_only = true;
-  const uint64_t handle =
-      engine->submit("cuda." + std::to_string(n) + "." + kind, sig, nullptr, nullptr, 0, 0, {});
+  const uint64_t handle = engine->submit(name, sig, nullptr, nullptr, 0, 0, {});
   bool was_idle;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    last_check_of_name_[name] = handle;
     was_idle = checks_.empty() && outstanding_.empty();
     checks_.push_back(handle);
   }

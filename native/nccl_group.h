@@ -20,6 +20,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "common.h"
@@ -106,8 +107,8 @@ class NcclGroup {
   // fails the check and the watchdog aborts the communicator with the engine's message, so
   // a mismatched call raises on every rank instead of hanging in NCCL.
   void attach_engine(Engine* engine);
-  // Negotiates one collective's signature, named cuda.<n>.<kind> in call order; no-op until an
-  // engine is attached.
+  // Negotiates one collective's signature (named by kind and call order, see checks_per_kind_);
+  // no-op until an engine is attached.
   void check(const char* kind, OpType op, DType dtype, const std::vector<int64_t>& shape, ReduceOp reduce,
              int root);
 
@@ -137,7 +138,11 @@ class NcclGroup {
   };
   std::deque<Outstanding> outstanding_;
   Engine* engine_ = nullptr;
-  uint64_t checks_made_ = 0;
+  // Checks are named cuda.<kind>#<k mod kCheckNameWindow> (k: calls of that kind so far, the
+  // same on every rank), so a repeating step repeats its names and the engine's response cache
+  // answers them by id; the last handle of each name, to wait on before reusing it.
+  std::unordered_map<std::string, uint64_t> checks_per_kind_;
+  std::unordered_map<std::string, uint64_t> last_check_of_name_;
   std::deque<uint64_t> checks_;
   std::string error_;
   bool stop_ = false;

@@ -443,13 +443,23 @@ void BackendSMDDP::shutdown() {
 void BackendSMDDP::abort() { shutdown(); }
 
 std::vector<uint64_t> BackendSMDDP::engine_counters() {
-  std::shared_ptr<EngineLink> link;
+  // Called from Python (the GIL is held). On a CUDA-only group the engine exists (it carries the
+  // argument checks) without the C++ CPU link, so it is looked up on the Python side then.
+  void* engine = nullptr;
   {
     std::lock_guard<std::mutex> lock(links_mutex_);
-    link = cpu_;
+    if (cpu_) engine = cpu_->engine();
+  }
+  py::object held;
+  if (engine == nullptr && impl_) {
+    py::object core = impl_.attr("_core_obj");
+    if (!core.is_none()) {
+      held = core.attr("_engine");
+      engine = reinterpret_cast<void*>(held.attr("_address")().cast<uintptr_t>());
+    }
   }
   uint64_t submitted = 0, hits = 0, misses = 0;
-  if (link) core().engine_counters(link->engine(), &submitted, &hits, &misses);
+  if (engine) core().engine_counters(engine, &submitted, &hits, &misses);
   return {submitted, hits, misses};
 }
 

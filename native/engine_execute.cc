@@ -44,7 +44,11 @@ void Engine::execute(const Response& r) {
     }
   }
   if (r.is_error) {
-    for (auto& e : entries) complete(e, std::string(op_type_name(e->sig.op)) + " '" + e->name + "' failed: " + r.error);
+    // A check-only entry stands for a CUDA call whose kind is in its name (gather and scatter
+    // are negotiated as broadcasts): the name alone says which call failed.
+    for (auto& e : entries)
+      complete(e, (e->sig.check_only ? std::string() : std::string(op_type_name(e->sig.op)) + " ") + "'" + e->name +
+                      "' failed: " + r.error);
     return;
   }
   if (r.sig.check_only) {  // every rank agreed; the data moves elsewhere (NCCL)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from smdistributed import _core
 
+from . import collective_args as args
 from .tensors import core_dtype
 
 CoreOp = _core.ReduceOp
@@ -226,9 +227,9 @@ class CudaCollectives:
 
     def allgather(self, outs: List[torch.Tensor], inp: torch.Tensor, result) -> CudaWork:
         self.check([inp, *outs], "all_gather")
+        args.one_per_rank(outs, self.size, "all_gather", "output")
+        args.same_dtype([inp, *outs], "all_gather")
         self._verify(OpType.ALLGATHER, inp, "all_gather", shape=[inp.numel(), len(outs)])
-        if len(outs) != self.size:
-            raise ValueError(f"smddp all_gather: {len(outs)} output tensors for {self.size} ranks")
         src = self._dense(inp)
         if all(o.numel() == src.numel() for o in outs):
             flat = torch.empty(src.numel() * self.size, dtype=src.dtype, device=self.device)
@@ -254,9 +255,7 @@ class CudaCollectives:
         """pairs: (output, input) tensors; several are coalesced into one NCCL launch."""
         for out, inp in pairs:
             self.check([out, inp], "all_gather_into_tensor")
-            if out.numel() != inp.numel() * self.size:
-                raise ValueError(f"smddp all_gather_into_tensor: output has {out.numel()} elements, expected "
-                                 f"{inp.numel()} x {self.size} ranks")
+            args.times_size(out, inp, self.size, "all_gather_into_tensor", "output")
         self._verify(OpType.ALLGATHER, pairs[0][1], "all_gather_into_tensor",
                      shape=[sum(i.numel() for _, i in pairs), len(pairs)])
         bufs = [(self._dense(o), self._dense(i)) for o, i in pairs]
@@ -274,9 +273,7 @@ class CudaCollectives:
         """pairs: (output, input); the input holds size x output.numel() elements."""
         for out, inp in pairs:
             self.check([out, inp], "reduce_scatter_tensor")
-            if inp.numel() != out.numel() * self.size:
-                raise ValueError(f"smddp reduce_scatter_tensor: input has {inp.numel()} elements, expected "
-                                 f"{out.numel()} x {self.size} ranks")
+            args.times_size(inp, out, self.size, "reduce_scatter_tensor", "input")
         self._verify(OpType.REDUCE_SCATTER, pairs[0][1], "reduce_scatter_tensor", op,
                      shape=[i.numel() for _, i in pairs])
         bufs = [(self._dense(o), self._dense(i)) for o, i in pairs]
@@ -292,8 +289,8 @@ class CudaCollectives:
 
     def reduce_scatter(self, out: torch.Tensor, ins: List[torch.Tensor], op, result) -> CudaWork:
         self.check([out, *ins], "reduce_scatter")
-        if len(ins) != self.size:
-            raise ValueError(f"smddp reduce_scatter: {len(ins)} inputs for {self.size} ranks")
+        args.one_per_rank(ins, self.size, "reduce_scatter", "input")
+        args.same_dtype([out, *ins], "reduce_scatter")
         self._verify(OpType.REDUCE_SCATTER, out, "reduce_scatter", op, shape=[i.numel() for i in ins])
         flat = torch.cat([i.reshape(-1) for i in ins])
         if all(i.numel() == out.numel() for i in ins):
@@ -336,22 +333,16 @@ class CudaCollectives:
 
     def all_to_all_single(self, out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> CudaWork:
         self.check([out, inp], "all_to_all_single")
-        self._verify(OpType.ALLTOALL, inp, "all_to_all_single")
         P = self.size
         src, dst = self._dense(inp), self._dense(out)
-        in_rows = src.shape[0] if src.dim() else 1
-        out_rows = dst.shape[0] if dst.dim() else 1
-        if not in_splits:
-            if in_rows % P:
-                raise ValueError(f"smddp all_to_all_single: dim 0 ({in_rows}) does not split evenly over {P} ranks")
-            in_splits = [in_rows // P] * P
-        if not out_splits:
-            if out_rows % P:
-                raise ValueError(f"smddp all_to_all_single: output dim 0 ({out_rows}) does not split evenly over "
-                                 f"{P} ranks")
-            out_splits = [out_rows // P] * P
-        if sum(in_splits) != in_rows or sum(out_splits) != out_rows:
-            raise ValueError("smddp all_to_all_single: split sizes do not add up to dim 0 of the tensors")
+        args.same_dtype([src, dst], "all_to_all_single")
+        in_rows, out_rows = args.rows(src), args.rows(dst)
+        in_splits = args.split_sizes(in_splits, in_rows, P, "all_to_all_single", "input")
+        out_splits = args.split_sizes(out_splits, out_rows, P, "all_to_all_single", "output")
+        if src.numel() // max(in_rows, 1) != dst.numel() // max(out_rows, 1):
+            raise ValueError(f"smddp all_to_all_single: rows of the input ({src.numel() // max(in_rows, 1)} elements) "
+                             f"and of the output ({dst.numel() // max(out_rows, 1)}) differ")
+        self._verify(OpType.ALLTOALL, inp, "all_to_all_single")
         row = src.numel() // max(in_rows, 1)
         es, dt = src.element_size(), core_dtype(src)
         sends, recvs, so, ro = [], [], 0, 0
@@ -366,9 +357,10 @@ class CudaCollectives:
 
     def alltoall(self, outs: List[torch.Tensor], ins: List[torch.Tensor]) -> CudaWork:
         self.check([*outs, *ins], "all_to_all")
-        self._verify(OpType.ALLTOALL, ins[0] if ins else outs[0], "all_to_all", shape=[len(ins), len(outs)])
-        if len(outs) != self.size or len(ins) != self.size:
-            raise ValueError(f"smddp all_to_all: {len(ins)} inputs and {len(outs)} outputs for {self.size} ranks")
+        args.one_per_rank(ins, self.size, "all_to_all", "input")
+        args.one_per_rank(outs, self.size, "all_to_all", "output")
+        args.same_dtype([*ins, *outs], "all_to_all")
+        self._verify(OpType.ALLTOALL, ins[0], "all_to_all", shape=[len(ins), len(outs)])
         src = [self._dense(t) for t in ins]
         dst = [self._dense(t) for t in outs]
         self._exchange([(s.data_ptr(), s.numel(), core_dtype(s)) for s in src],
@@ -385,8 +377,9 @@ class CudaCollectives:
         sends[root] = (src.data_ptr(), src.numel(), core_dtype(src))
         dst = []
         if self.rank == root:
-            if len(outs) != self.size:
-                raise ValueError(f"smddp gather: {len(outs)} output tensors for {self.size} ranks")
+            args.one_per_rank(outs, self.size, "gather", "output")
+            args.each_numel(outs, inp.numel(), "gather", "output")
+            args.same_dtype([inp, *outs], "gather")
             dst = [self._dense(o) for o in outs]
             recvs = [(d.data_ptr(), d.numel(), core_dtype(d)) for d in dst]
         self._exchange(sends, recvs)
@@ -402,8 +395,9 @@ class CudaCollectives:
         recvs[root] = (dst.data_ptr(), dst.numel(), core_dtype(dst))
         src = []
         if self.rank == root:
-            if len(ins) != self.size:
-                raise ValueError(f"smddp scatter: {len(ins)} input tensors for {self.size} ranks")
+            args.one_per_rank(ins, self.size, "scatter", "input")
+            args.each_numel(ins, out.numel(), "scatter", "input")
+            args.same_dtype([out, *ins], "scatter")
             src = [self._dense(i) for i in ins]
             sends = [(s.data_ptr(), s.numel(), core_dtype(s)) for s in src]
         self._exchange(sends, recvs)

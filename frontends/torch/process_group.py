@@ -23,6 +23,7 @@ from smdistributed import _core
 from smdistributed.common.discovery import WorldInfo
 from smdistributed.common.engine import Core
 
+from . import collective_args as args
 from .cuda_collectives import CudaCollectives
 from .tensors import contiguous, core_dtype, core_op, nbytes, on_cuda
 from .work import CompletionThread, SmddpWork
@@ -272,8 +273,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         contiguous(inp, "all_gather")
         for o in outs:
             contiguous(o, "all_gather output")
-        if len(outs) != self.size():
-            raise ValueError(f"smddp all_gather: {len(outs)} output tensors for {self.size()} ranks")
+        args.one_per_rank(outs, self.size(), "all_gather", "output")
+        args.same_dtype([inp, *outs], "all_gather")
         flat = torch.empty(sum(o.numel() for o in outs), dtype=inp.dtype)
         h, flat_in = self._allgather_flat(inp, flat, [o.numel() for o in outs])
 
@@ -290,9 +291,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return gpu.all_gather_into_tensor([(output, inp)])
         out, back = contiguous(output, "all_gather_into_tensor output")
         contiguous(inp, "all_gather_into_tensor")
-        if out.numel() != inp.numel() * self.size():
-            raise ValueError(f"smddp all_gather_into_tensor: output has {out.numel()} elements, expected "
-                             f"{inp.numel()} x {self.size()} ranks")
+        args.times_size(out, inp, self.size(), "all_gather_into_tensor", "output")
         h, flat_in = self._allgather_flat(inp, out.view(-1), [inp.numel()] * self.size())
         return SmddpWork(self, [h], [output], back, keep=(flat_in, out))
 
@@ -314,8 +313,8 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         out, ins = output_tensors[0], input_lists[0]
         if (gpu := self._cuda([out, *ins], "reduce_scatter")) is not None:
             return gpu.reduce_scatter(out, ins, _reduce_op(opts), output_tensors)
-        if len(ins) != self.size():
-            raise ValueError(f"smddp reduce_scatter: {len(ins)} inputs for {self.size()} ranks")
+        args.one_per_rank(ins, self.size(), "reduce_scatter", "input")
+        args.same_dtype([out, *ins], "reduce_scatter")
         flat = torch.cat([i.reshape(-1) for i in ins])
         counts = [i.numel() for i in ins]
         buf, back = contiguous(out, "reduce_scatter output")
@@ -328,9 +327,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return gpu.reduce_scatter_tensor([(output, inp)], _reduce_op(opts))
         out, back = contiguous(output, "reduce_scatter_tensor output")
         src, _ = contiguous(inp, "reduce_scatter_tensor")
-        if src.numel() != out.numel() * self.size():
-            raise ValueError(f"smddp reduce_scatter_tensor: input has {src.numel()} elements, expected "
-                             f"{out.numel()} x {self.size()} ranks")
+        args.times_size(src, out, self.size(), "reduce_scatter_tensor", "input")
         h = self._submit(OpType.REDUCE_SCATTER, "reduce_scatter", src.view(-1), out, reduce=_reduce_op(opts),
                          splits=[out.numel()] * self.size(), shape=[src.numel()])
         return SmddpWork(self, [h], [output], back, keep=(src, out))
@@ -349,22 +346,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return gpu.all_to_all_single(output, inp, output_split_sizes, input_split_sizes)
         src, _ = contiguous(inp, "all_to_all_single")
         out, back = contiguous(output, "all_to_all_single output")
-        rows = src.shape[0] if src.dim() else 1
-        if not input_split_sizes:
-            if rows % P:
-                raise ValueError(f"smddp all_to_all_single: dim 0 ({rows}) does not split evenly over {P} ranks")
-            input_split_sizes = [rows // P] * P
-        out_rows = out.shape[0] if out.dim() else 1
-        if output_split_sizes:
-            output_split_sizes = [int(n) for n in output_split_sizes]
-            if len(output_split_sizes) != P or min(output_split_sizes) < 0 or sum(output_split_sizes) != out_rows:
-                raise ValueError(f"smddp all_to_all_single: output_split_sizes {output_split_sizes} must give one "
-                                 f"non-negative row count per rank ({P}) adding up to the output's {out_rows} rows")
-        elif out_rows % P:
-            raise ValueError(f"smddp all_to_all_single: the output's dim 0 ({out_rows}) does not split evenly over "
-                             f"{P} ranks; pass output_split_sizes")
-        else:
-            output_split_sizes = [out_rows // P] * P
+        args.same_dtype([src, out], "all_to_all_single")
+        input_split_sizes = args.split_sizes(input_split_sizes, args.rows(src), P, "all_to_all_single", "input")
+        output_split_sizes = args.split_sizes(output_split_sizes, args.rows(out), P, "all_to_all_single", "output")
         shape = list(src.shape) if src.dim() else [1]
         # The engine checks the input splits against the input, and (with every rank's
         # announcement) each rank's output splits against what the others send to it.
@@ -378,11 +362,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                  opts=None):
         if (gpu := self._cuda([*output_tensors, *input_tensors], "all_to_all")) is not None:
             return gpu.alltoall(output_tensors, input_tensors)
-        flat_in = torch.cat([t.reshape(-1) for t in input_tensors]) if input_tensors else torch.empty(0)
+        args.one_per_rank(input_tensors, self.size(), "all_to_all", "input")
+        args.one_per_rank(output_tensors, self.size(), "all_to_all", "output")
+        args.same_dtype([*input_tensors, *output_tensors], "all_to_all")
+        flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
         flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
-        if len(input_tensors) != self.size() or len(output_tensors) != self.size():
-            raise ValueError(f"smddp all_to_all: {len(input_tensors)} inputs and {len(output_tensors)} outputs for "
-                             f"{self.size()} ranks")
         h = self._submit(OpType.ALLTOALL, "alltoall", flat_in, flat_out, shape=[flat_in.numel()],
                          per_rank=[t.numel() for t in input_tensors] + [t.numel() for t in output_tensors])
 
@@ -404,6 +388,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return gpu.gather(outs, input_tensors[0], _root(opts), output_lists)
         # Through allgather: root keeps the parts (bandwidth P x what a tree gather would move).
         inp = input_tensors[0]
+        if self.rank() == _root(opts):
+            args.one_per_rank(outs, self.size(), "gather", "output")
+            args.each_numel(outs, inp.numel(), "gather", "output")
+            args.same_dtype([inp, *outs], "gather")
         flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype)
         h, flat_in = self._allgather_flat(inp, flat, [inp.numel()] * self.size())
         outs = output_lists[0] if self.rank() == _root(opts) else []
@@ -420,6 +408,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return gpu.scatter(output_tensors[0], ins, _root(opts), output_tensors)
         out = output_tensors[0]
         n = out.numel()
+        if self.rank() == _root(opts):
+            args.one_per_rank(ins, self.size(), "scatter", "input")
+            args.each_numel(ins, n, "scatter", "input")
+            args.same_dtype([out, *ins], "scatter")
         flat = (torch.cat([t.reshape(-1) for t in input_lists[0]]) if self.rank() == _root(opts)
                 else torch.empty(n * self.size(), dtype=out.dtype))
         h = self._submit(OpType.BROADCAST, "scatter", flat, flat, root=_root(opts))

@@ -14,6 +14,14 @@ def rows(t: torch.Tensor) -> int:
     return t.shape[0] if t.dim() else 1
 
 
+def row_numel(t: torch.Tensor) -> int:
+    """Elements per row (from the shape, so a tensor with no rows still has a row size)."""
+    n = 1
+    for d in (t.shape[1:] if t.dim() else ()):
+        n *= d
+    return n
+
+
 def one_per_rank(tensors: Sequence[torch.Tensor], size: int, what: str, role: str) -> None:
     if len(tensors) != size:
         raise ValueError(f"smddp {what}: {len(tensors)} {role} tensors for {size} ranks")

@@ -339,11 +339,11 @@ class CudaCollectives:
         in_rows, out_rows = args.rows(src), args.rows(dst)
         in_splits = args.split_sizes(in_splits, in_rows, P, "all_to_all_single", "input")
         out_splits = args.split_sizes(out_splits, out_rows, P, "all_to_all_single", "output")
-        if src.numel() // max(in_rows, 1) != dst.numel() // max(out_rows, 1):
-            raise ValueError(f"smddp all_to_all_single: rows of the input ({src.numel() // max(in_rows, 1)} elements) "
-                             f"and of the output ({dst.numel() // max(out_rows, 1)}) differ")
+        row = args.row_numel(src)
+        if row != args.row_numel(dst):
+            raise ValueError(f"smddp all_to_all_single: rows of the input ({row} elements) and of the output "
+                             f"({args.row_numel(dst)}) differ")
         self._verify(OpType.ALLTOALL, inp, "all_to_all_single")
-        row = src.numel() // max(in_rows, 1)
         es, dt = src.element_size(), core_dtype(src)
         sends, recvs, so, ro = [], [], 0, 0
         for p in range(P):

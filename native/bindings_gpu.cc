@@ -21,18 +21,17 @@ void bind_gpu(py::module_& m) {
 
   py::class_<NcclGroup>(m, "NcclGroup")
       .def(py::init([](py::bytes unique_id, int rank, int size, int device, int max_ctas, int min_ctas,
-                       bool high_priority, double timeout) {
+                       double timeout) {
              NcclOptions o;
              if (max_ctas > 0) o.max_ctas = max_ctas;
              if (min_ctas > 0) o.min_ctas = min_ctas;
-             o.high_priority = high_priority;
              if (timeout > 0) o.timeout_s = timeout;
              std::string id = unique_id;
              py::gil_scoped_release nogil;  // waits for every rank of the group
              return new NcclGroup(id, rank, size, device, o);
            }),
            py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("max_ctas") = 0,
-           py::arg("min_ctas") = 0, py::arg("high_priority") = false, py::arg("timeout") = -1.0)
+           py::arg("min_ctas") = 0, py::arg("timeout") = -1.0)
       .def_property_readonly("rank", &NcclGroup::rank)
       .def_property_readonly("size", &NcclGroup::size)
       .def_property_readonly("device", &NcclGroup::device)
@@ -48,7 +47,6 @@ void bind_gpu(py::module_& m) {
       .def("reduce_scatter", &NcclGroup::reduce_scatter, py::call_guard<py::gil_scoped_release>())
       .def("send", &NcclGroup::send, py::call_guard<py::gil_scoped_release>())
       .def("recv", &NcclGroup::recv, py::call_guard<py::gil_scoped_release>())
-      .def("copy", &NcclGroup::copy)
       .def("group_start", &NcclGroup::group_start)
       .def("group_end", &NcclGroup::group_end, py::call_guard<py::gil_scoped_release>())
       .def("record", &NcclGroup::record)

@@ -108,8 +108,8 @@ NcclGroup::NcclGroup(const std::string& unique_id, int rank, int size, int devic
   gpu::DeviceGuard guard(device_);
   int least = 0, greatest = 0;
   gpu::check_cuda(r.cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-  gpu::check_cuda(r.cudaStreamCreateWithPriority(&stream_, gpu::kStreamNonBlocking,
-                                                 options_.high_priority ? greatest : least),
+  // The lowest priority, as torch's NCCL backend's pool streams: compute kernels go first.
+  gpu::check_cuda(r.cudaStreamCreateWithPriority(&stream_, gpu::kStreamNonBlocking, least),
                   "cudaStreamCreateWithPriority");
   gpu::check_cuda(r.cudaEventCreateWithFlags(&ready_, gpu::kEventDisableTiming), "cudaEventCreate");
   events_ = std::make_shared<EventPool>(device_);
@@ -214,14 +214,6 @@ void NcclGroup::recv(uintptr_t buf, size_t count, DType dtype, int peer) {
   gpu::DeviceGuard guard(device_);
   run(gpu::runtime().ncclRecv(reinterpret_cast<void*>(buf), count, nccl_dtype(dtype), peer, comm_, stream_),
       "ncclRecv");
-}
-
-void NcclGroup::copy(uintptr_t dst, uintptr_t src, size_t bytes) {
-  check_usable();
-  if (bytes == 0 || dst == src) return;
-  gpu::check_cuda(gpu::runtime().cudaMemcpyAsync(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-                                                 bytes, gpu::kMemcpyDeviceToDevice, stream_),
-                  "cudaMemcpyAsync");
 }
 
 void NcclGroup::group_start() { run(gpu::runtime().ncclGroupStart(), "ncclGroupStart"); }

@@ -65,7 +65,6 @@ class GpuEvent {
 struct NcclOptions {
   int max_ctas = gpu::NcclConfig::kUndefined;
   int min_ctas = gpu::NcclConfig::kUndefined;
-  bool high_priority = false;  // the group's stream outranks compute kernels when SMs free up
   double timeout_s = 1800;
 };
 
@@ -92,7 +91,6 @@ class NcclGroup {
   void reduce_scatter(uintptr_t in, uintptr_t out, size_t count_per_rank, DType dtype, ReduceOp op);
   void send(uintptr_t buf, size_t count, DType dtype, int peer);
   void recv(uintptr_t buf, size_t count, DType dtype, int peer);
-  void copy(uintptr_t dst, uintptr_t src, size_t bytes);
   // Between these, NCCL calls are fused into one launch (coalesced ops, all-to-all).
   void group_start();
   void group_end();

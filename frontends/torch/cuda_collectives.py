@@ -103,7 +103,7 @@ class CudaCollectives:
     """One NCCL communicator of a process group, on one device."""
 
     def __init__(self, store, rank: int, size: int, device: torch.device, timeout_s: float, key: str = "smddp/nccl",
-                 max_ctas: Optional[int] = None, high_priority: bool = False):
+                 max_ctas: Optional[int] = None):
         reason = nccl_unavailable_reason()
         if reason:
             raise RuntimeError(f"smddp: CUDA tensors need NCCL: {reason}")
@@ -113,7 +113,7 @@ class CudaCollectives:
         self.rank, self.size, self.device = rank, size, device
         self.nccl = _core.NcclGroup(
             unique_id, rank, size, device.index, max_ctas=max_ctas or _env_int("SMDDP_NCCL_MAX_CTAS"),
-            min_ctas=_env_int("SMDDP_NCCL_MIN_CTAS"), high_priority=high_priority, timeout=timeout_s)
+            min_ctas=_env_int("SMDDP_NCCL_MIN_CTAS"), timeout=timeout_s)
         self.stream = torch.cuda.ExternalStream(self.nccl.stream, device=device)
         self._p2p = []  # held-back (is_send, caller's tensor, contiguous buffer, peer, work)
         self._engine = None

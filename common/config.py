@@ -11,6 +11,20 @@ def config_table() -> List[Tuple[str, str, str]]:
     return list(_core.config_table())
 
 
+def default(name: str) -> str:
+    """The table's default for `name` (not the environment's value)."""
+    for row_name, value, _ in config_table():
+        if row_name == name:
+            return value
+    raise KeyError(f"{name} is not in the configuration table (native/config.cc)")
+
+
+def default_bucket_bytes() -> int:
+    """The one default bucket size (SMDDP_FUSION_THRESHOLD's: the original's 25 MB), which the
+    frontends' bucket_cap_mb defaults follow."""
+    return int(default("SMDDP_FUSION_THRESHOLD"))
+
+
 def format_config_table(width: int = 100) -> str:
     import textwrap
 

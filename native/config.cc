@@ -71,6 +71,14 @@ const std::vector<ConfigVar>& config_table() {
       {"SMDDP_TORCH_EXTENSION_DIR", "",
        "where the C++ c10d Backend is built and cached; default ~/.cache/smdistributed/torch-backend, "
        "one build per torch version and source"},
+      {"SMDDP_TF_KERAS_COMPAT", "1",
+       "1: on Keras 3 the TensorFlow frontend lets scripts written for Keras 2 call "
+       "optimizer.variables() (a list that may also be called; frontends/tensorflow/compat.py); "
+       "0: Keras is left alone"},
+      {"SMDDP_RANK", "", "set by smddprun for each process: its rank in the job (read at discovery)"},
+      {"SMDDP_SIZE", "", "set by smddprun: the number of processes in the job"},
+      {"SMDDP_LOCAL_RANK", "", "set by smddprun: the process's rank among those on its host"},
+      {"SMDDP_LOCAL_SIZE", "", "set by smddprun: the number of processes on the process's host"},
       {"SMDDP_NCCL_MIN_CTAS", "", "fewest thread blocks one NCCL collective of smddp uses; empty: NCCL's choice"},
       {"SMDDP_HOST", "",
        "overrides the host name used to group ranks into hosts (tests simulate several hosts "

@@ -14,6 +14,8 @@ from typing import List, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
+from smdistributed.common.config import default_bucket_bytes
+
 from .compression import Compression, NoneCompressor
 from .runtime import (ReduceOp, SmddpError, check_dtype, check_process_set, core, empty_aligned, no_autograph, op_name, rank,
                       resolve_op, run_collective, size, wait_all)
@@ -57,7 +59,6 @@ def _check_root(root_rank: int) -> int:
 
 # ---- grouped reduction (dense allreduce + sparse allgather in one engine call) ------------
 
-DEFAULT_BUCKET_BYTES = 25 << 20  # SMDDP's bucket_cap_mb default
 
 
 def _aligned(nbytes: int) -> int:
@@ -192,7 +193,7 @@ def reduce_tensors(tensors: Sequence, *, op=ReduceOp.AVERAGE, compression=Compre
     op_str = op.value
     pre, post = float(prescale_factor), float(postscale_factor)
 
-    cap = int(bucket_bytes) if bucket_bytes else DEFAULT_BUCKET_BYTES
+    cap = int(bucket_bytes) if bucket_bytes else default_bucket_bytes()
 
     def fn(*arrays):
         c = core()

@@ -160,7 +160,7 @@ def _has_state(optimizer) -> bool:
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="", device_sparse="",  # noqa: N802
                          compression=Compression.none, sparse_as_dense=False, op=ReduceOp.AVERAGE,
-                         bucket_cap_mb=25, backward_passes_per_step=1, average_aggregated_gradients=False,
+                         bucket_cap_mb=None, backward_passes_per_step=1, average_aggregated_gradients=False,
                          gradient_predivide_factor=1.0, num_groups=0, groups=None, process_set=None,
                          scale_local_gradients=True):
     """Wraps an optimizer so that gradients are reduced over all ranks before they are applied.

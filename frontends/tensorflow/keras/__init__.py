@@ -29,7 +29,7 @@ Adasum = ReduceOp.ADASUM
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",  # noqa: N802
                          compression=Compression.none, sparse_as_dense=False, gradient_predivide_factor=1.0,
                          op=ReduceOp.AVERAGE, backward_passes_per_step=1, average_aggregated_gradients=False,
-                         num_groups=0, groups=None, process_set=None, scale_local_gradients=True, bucket_cap_mb=25):
+                         num_groups=0, groups=None, process_set=None, scale_local_gradients=True, bucket_cap_mb=None):
     """A Keras optimizer whose gradients are reduced over all ranks before they are applied
     (Horovod's keras argument order). See smdistributed.dataparallel.tensorflow.DistributedOptimizer."""
     return _optimizer.DistributedOptimizer(

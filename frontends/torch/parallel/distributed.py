@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.utils._pytree  # noqa: F401  (tree_leaves over a forward's outputs)
 
 from smdistributed import _core
+from smdistributed.common.config import default_bucket_bytes
 
 from ..deprecation import warn_once
 from ..cuda_collectives import CudaCollectives
@@ -29,7 +30,6 @@ from ..process_group import smddp_group
 from ..tensors import check_tensor, core_dtype, on_cuda
 from .gpu_buckets import GpuGradientBuckets
 
-DEFAULT_BUCKET_CAP_MB = 25
 _instances = itertools.count()  # wrappers are created in the same order on every rank
 
 
@@ -59,7 +59,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._prefix = f"smddp.ddp{next(_instances)}"
         self._pg = _smddp_group(process_group)
         self._engine = self._pg._engine
-        cap = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb
+        cap = default_bucket_bytes() / (1 << 20) if bucket_cap_mb is None else bucket_cap_mb
         self._engine.fusion_threshold = int(cap * 1024 * 1024)
         self._params: Dict[str, torch.nn.Parameter] = {
             n: p for n, p in module.named_parameters() if p.requires_grad

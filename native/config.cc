@@ -70,7 +70,7 @@ const std::vector<ConfigVar>& config_table() {
        "group, no per-device Backend), auto (native, else python with a warning naming why)"},
       {"SMDDP_TORCH_EXTENSION_DIR", "",
        "where the C++ c10d Backend is built and cached; default ~/.cache/smdistributed/torch-backend, "
-       "one build per torch version and source"},
+       "one build per torch version, install location and source"},
       {"SMDDP_TF_KERAS_COMPAT", "1",
        "1: on Keras 3 the TensorFlow frontend lets scripts written for Keras 2 call "
        "optimizer.variables() (a list that may also be called; frontends/tensorflow/compat.py); "

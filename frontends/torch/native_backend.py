@@ -41,6 +41,9 @@ def _torch_version() -> tuple:
 
 def _build_key(src: str) -> str:
     digest = hashlib.sha256()
+    # The install location too: a build directory's ninja file names its sources' paths, so two
+    # environments sharing one would rebuild in turn, over a library the other has loaded.
+    digest.update(os.path.realpath(src).encode() + b"\0")
     for name in _SOURCES + _HEADERS:
         with open(os.path.join(src, name), "rb") as f:
             digest.update(name.encode() + b"\0" + f.read())

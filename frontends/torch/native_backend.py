@@ -83,9 +83,15 @@ def load(verbose: bool = False):
         raise NativeBackendUnavailable("ninja is not installed (pip install ninja)") from None
     directory = build_directory()
     os.makedirs(directory, exist_ok=True)
+    built = os.path.join(directory, _BUILT_MARKER)
+    if os.path.exists(built):
+        # Built before for exactly these sources, this torch and this install (the directory's
+        # key): load it without ninja or torch's build lock. A process killed while holding
+        # that lock (tests kill ranks on purpose) would leave every later import waiting on it.
+        return _finish(_import_built(directory))
     try:
         module = cpp_extension.load(
-            name="smddp_c10d_backend",
+            name=_NAME,
             sources=[os.path.join(src, n) for n in _SOURCES],
             extra_include_paths=[src],
             extra_cflags=["-O2"],
@@ -97,6 +103,30 @@ def load(verbose: bool = False):
         text = str(e).strip().splitlines()
         raise NativeBackendUnavailable(
             f"building the native backend in {directory} failed: {' / '.join(text[-6:])}") from e
+    with open(built + ".tmp", "w") as f:
+        f.write(module.__file__ + "\n")
+    os.replace(built + ".tmp", built)  # atomic: a reader sees no marker or a whole one
+    return _finish(module)
+
+
+_NAME = "smddp_c10d_backend"
+_BUILT_MARKER = "built.ok"
+
+
+def _import_built(directory: str):
+    import importlib.machinery
+    import importlib.util
+
+    path = os.path.join(directory, _NAME + ".so")
+    loader = importlib.machinery.ExtensionFileLoader(_NAME, path)
+    spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _finish(module):
+    global _module
     from smdistributed import _core
 
     module.load_core(_core._c_api)

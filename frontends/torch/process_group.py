@@ -108,6 +108,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def _core(self) -> Core:
         """The group's CPU engine, bootstrapped through the group's store on first use (every
         rank of the group reaches it with the group's first collective)."""
+        core = self._core_obj
+        if core is not None:  # every call after the first: no lock on the submit path
+            return core
         with self._core_lock:
             if self._core_obj is None:
                 host = os.environ.get("SMDDP_HOST") or socket.gethostname()

@@ -186,6 +186,19 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::submit_cpu(c10d::OpType type, const
   return work;
 }
 
+template <typename Enqueue>
+void* BackendSMDDP::launch_nccl(const std::shared_ptr<CudaLink>& link, const char* kind, const smddp_signature& sig,
+                                const c10::Device& device, Enqueue enqueue) {
+  ErrorText err;
+  TORCH_CHECK(core().nccl_check(link->group, kind, &sig, err.text, sizeof(err.text)) == 0 &&
+                  core().nccl_wait_for(link->group, current_stream(device), err.text, sizeof(err.text)) == 0 &&
+                  enqueue(err) == 0,
+              "smddp ", kind, ": ", err.text);
+  void* event = core().nccl_record(link->group, err.text, sizeof(err.text));
+  TORCH_CHECK(event != nullptr, "smddp ", kind, ": ", err.text);
+  return event;
+}
+
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::finish_cuda(const std::shared_ptr<CudaLink>& link, c10d::OpType type,
                                                         void* event, const std::vector<at::Tensor>& used,
                                                         std::vector<at::Tensor> outputs) {
@@ -240,15 +253,10 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::_allgather_base(at::Tensor& output,
     if (input.device() == link->stream.device() && output.device() == input.device()) {
       std::vector<int64_t> shape = {input.numel(), 1};
       smddp_signature sig = signature(kAllgather, input, 0, shape, kNone);
-      ErrorText err;
-      TORCH_CHECK(core().nccl_check(link->group, "all_gather_into_tensor", &sig, err.text, sizeof(err.text)) == 0 &&
-                      core().nccl_wait_for(link->group, current_stream(input.device()), err.text,
-                                           sizeof(err.text)) == 0 &&
-                      core().nccl_allgather(link->group, address(input), address(output), size_t(input.numel()),
-                                            sig.dtype, err.text, sizeof(err.text)) == 0,
-                  "smddp all_gather_into_tensor: ", err.text);
-      void* event = core().nccl_record(link->group, err.text, sizeof(err.text));
-      TORCH_CHECK(event != nullptr, "smddp all_gather_into_tensor: ", err.text);
+      void* event = launch_nccl(link, "all_gather_into_tensor", sig, input.device(), [&](ErrorText& err) {
+        return core().nccl_allgather(link->group, address(input), address(output), size_t(input.numel()), sig.dtype,
+                                     err.text, sizeof(err.text));
+      });
       return finish_cuda(link, c10d::OpType::_ALLGATHER_BASE, event, {input, output}, {output});
     }
   }
@@ -275,16 +283,10 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::_reduce_scatter_base(at::Tensor& ou
     if (input.device() == link->stream.device() && output.device() == input.device()) {
       std::vector<int64_t> shape = {input.numel()};
       smddp_signature sig = signature(kReduceScatter, input, reduce, shape, kNone);
-      ErrorText err;
-      TORCH_CHECK(core().nccl_check(link->group, "reduce_scatter_tensor", &sig, err.text, sizeof(err.text)) == 0 &&
-                      core().nccl_wait_for(link->group, current_stream(input.device()), err.text,
-                                           sizeof(err.text)) == 0 &&
-                      core().nccl_reduce_scatter(link->group, address(input), address(output),
-                                                 size_t(output.numel()), sig.dtype, reduce, err.text,
-                                                 sizeof(err.text)) == 0,
-                  "smddp reduce_scatter_tensor: ", err.text);
-      void* event = core().nccl_record(link->group, err.text, sizeof(err.text));
-      TORCH_CHECK(event != nullptr, "smddp reduce_scatter_tensor: ", err.text);
+      void* event = launch_nccl(link, "reduce_scatter_tensor", sig, input.device(), [&](ErrorText& err) {
+        return core().nccl_reduce_scatter(link->group, address(input), address(output), size_t(output.numel()),
+                                          sig.dtype, reduce, err.text, sizeof(err.text));
+      });
       return finish_cuda(link, c10d::OpType::_REDUCE_SCATTER_BASE, event, {input, output}, {output});
     }
   }
@@ -313,14 +315,10 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::broadcast(std::vector<at::Tensor>& 
       std::vector<int64_t> shape = {t.numel()};
       smddp_signature sig = signature(kBroadcast, t, 0, shape, kNone);
       sig.root = int32_t(opts.rootRank);
-      ErrorText err;
-      TORCH_CHECK(core().nccl_check(link->group, "broadcast", &sig, err.text, sizeof(err.text)) == 0 &&
-                      core().nccl_wait_for(link->group, current_stream(t.device()), err.text, sizeof(err.text)) == 0 &&
-                      core().nccl_broadcast(link->group, address(t), address(t), size_t(t.numel()), sig.dtype,
-                                            sig.root, err.text, sizeof(err.text)) == 0,
-                  "smddp broadcast: ", err.text);
-      void* event = core().nccl_record(link->group, err.text, sizeof(err.text));
-      TORCH_CHECK(event != nullptr, "smddp broadcast: ", err.text);
+      void* event = launch_nccl(link, "broadcast", sig, t.device(), [&](ErrorText& err) {
+        return core().nccl_broadcast(link->group, address(t), address(t), size_t(t.numel()), sig.dtype, sig.root,
+                                     err.text, sizeof(err.text));
+      });
       return finish_cuda(link, c10d::OpType::BROADCAST, event, {t}, tensors);
     }
   }

@@ -225,6 +225,11 @@ class BackendSMDDP : public c10d::Backend {
                                             const std::vector<at::Tensor>& outs, const std::vector<smddp_signature>& sigs,
                                             const std::vector<std::vector<int64_t>>& per_rank,
                                             std::vector<at::Tensor> results, std::vector<at::Tensor> keep);
+  // One NCCL collective on the group's stream: the argument check, the wait for the caller's
+  // stream, `enqueue` (returns 0 or fills the error), and the end event it returns.
+  template <typename Enqueue>
+  void* launch_nccl(const std::shared_ptr<CudaLink>& link, const char* kind, const smddp_signature& sig,
+                    const c10::Device& device, Enqueue enqueue);
   c10::intrusive_ptr<c10d::Work> finish_cuda(const std::shared_ptr<CudaLink>& link, c10d::OpType type, void* event,
                                              const std::vector<at::Tensor>& used, std::vector<at::Tensor> outputs);
 

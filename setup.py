@@ -70,6 +70,8 @@ setup(
         "smdistributed.dataparallel.torch.parallel": "frontends/torch/parallel",
         "smdistributed.dataparallel.tensorflow": "frontends/tensorflow",
         "smdistributed.dataparallel.tensorflow.keras": "frontends/tensorflow/keras",
+        "smdistributed.modelparallel": "frontends/package_roots/modelparallel",
+        "smdistributed.modelparallel.torch": "frontends/modelparallel/torch",
     },
     packages=[
         "smdistributed",
@@ -79,5 +81,7 @@ setup(
         "smdistributed.dataparallel.torch.parallel",
         "smdistributed.dataparallel.tensorflow",
         "smdistributed.dataparallel.tensorflow.keras",
+        "smdistributed.modelparallel",
+        "smdistributed.modelparallel.torch",
     ],
 )

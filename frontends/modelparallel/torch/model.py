@@ -1,0 +1,339 @@
+"""smp.DistributedModel: the user's module, partitioned at the first smp.step."""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+
+from . import grad_sync
+from .partition import auto_assignment, describe, manual_assignment
+from .runtime import PipelineRuntime
+from .state import device as local_device, state
+from .trace import Tracer
+from .wire import Links
+
+log = logging.getLogger("smdistributed.modelparallel")
+
+
+def _to(obj, dev):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dev)
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to(o, dev) for o in obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to(v, dev)) for k, v in obj.items())
+    return obj
+
+
+class DistributedModel(nn.Module):
+    def __init__(self, module: nn.Module, trace_device: str = "gpu", trace_execution_times: bool = False,
+                 overlapping_allreduce: bool = True, backward_passes_per_step: int = 1,
+                 average_grads_across_microbatches: bool = True, bucket_cap_mb: float = 25,
+                 trace_memory_usage: bool = False, broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False):
+        state.require_init("smp.DistributedModel")
+        if state.model is not None:
+            raise RuntimeError("smp.DistributedModel: a model is already wrapped; the library manages one "
+                               "DistributedModel per process")
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"smp.DistributedModel expects a torch.nn.Module, got {type(module).__name__}")
+        if isinstance(module, torch.jit.ScriptModule):
+            raise TypeError("smp.DistributedModel: TorchScript modules are not supported")
+        if trace_device not in ("gpu", "cpu"):
+            raise ValueError(f"smp.DistributedModel: trace_device must be 'gpu' or 'cpu', got {trace_device!r}")
+        if trace_execution_times and trace_device == "cpu":
+            raise ValueError("smp.DistributedModel: trace_execution_times needs trace_device='gpu'")
+        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+            raise ValueError("smp.DistributedModel: backward_passes_per_step must be an integer >= 1")
+        super().__init__()
+        self.module = module
+        self.trace_device = trace_device
+        self.trace_execution_times = trace_execution_times
+        self.overlapping_allreduce = overlapping_allreduce
+        self.backward_passes_per_step = backward_passes_per_step
+        self.average_grads_across_microbatches = average_grads_across_microbatches
+        self.bucket_bytes = int(bucket_cap_mb * 1024 * 1024)
+        self.broadcast_buffers = broadcast_buffers
+        self._partitioned = False
+        self._owner_of_module: Dict[int, int] = {}
+        self._owner_of_param: Dict[int, int] = {}
+        self._assignment: Dict[str, int] = {}
+        self._post_partition_hooks: "OrderedDict[int, Any]" = OrderedDict()
+        self._pending_state: Optional[Tuple[Dict[str, Any], bool]] = None
+        self._runtime: Optional[PipelineRuntime] = None
+        self._steps_with_backward = 0
+        state.model = self
+
+    # -- what users call ---------------------------------------------------------------------------
+    @property
+    def partitioned(self) -> bool:
+        return self._partitioned
+
+    def forward(self, *args, **kwargs):
+        if state.tracing:
+            return self.module(*args, **kwargs)
+        if self._runtime is None:
+            raise RuntimeError("smp: the DistributedModel was called outside an smp.step function (call it "
+                               "inside the @smp.step function, which runs it once per microbatch)")
+        return self._runtime.model_forward(args, kwargs)
+
+    def backward(self, tensors, grad_tensors=None) -> None:
+        """model.backward(loss) or model.backward(outputs, out_grads), inside smp.step."""
+        if state.tracing:
+            return
+        if self._runtime is None:
+            raise RuntimeError("smp: DistributedModel.backward was called outside an smp.step function")
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+            grad_tensors = [grad_tensors] if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) \
+                else list(grad_tensors)
+        tensors = list(tensors)
+        grads = list(grad_tensors) if grad_tensors is not None else [None] * len(tensors)
+        if len(grads) != len(tensors):
+            raise ValueError(f"smp: model.backward got {len(tensors)} tensors but {len(grads)} gradients")
+        self._runtime.model_backward(tensors, grads)
+
+    def to(self, *args, **kwargs):
+        # The library places each partition on its rank's device; moves are ignored, as in the original.
+        return self
+
+    def cuda(self, *args, **kwargs):
+        return self
+
+    def register_post_partition_hook(self, hook) -> RemovableHandle:
+        handle = RemovableHandle(self._post_partition_hooks)
+        self._post_partition_hooks[handle.id] = hook
+        return handle
+
+    def _is_local_module(self, m: nn.Module) -> bool:
+        return self._owner_of_module.get(id(m), 0) == state.topo.pp_rank
+
+    def local_named_modules(self) -> Iterator[Tuple[str, nn.Module]]:
+        self._require_partitioned("local_named_modules")
+        for name, m in self.module.named_modules():
+            if self._is_local_module(m):
+                yield name, m
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        for _, m in self.local_named_modules():
+            yield m
+
+    def local_named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
+        self._require_partitioned("local_named_parameters")
+        for name, p in self.module.named_parameters():
+            if self._owner_of_param[id(p)] == state.topo.pp_rank:
+                yield name, p
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        for _, p in self.local_named_parameters():
+            yield p
+
+    def local_named_buffers(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        self._require_partitioned("local_named_buffers")
+        for mname, m in self.module.named_modules():
+            if self._is_local_module(m):
+                for bname, b in m.named_buffers(recurse=False):
+                    yield (f"{mname}.{bname}" if mname else bname), b
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        for _, b in self.local_named_buffers():
+            yield b
+
+    def local_state_dict(self) -> Dict[str, Any]:
+        self._require_partitioned("local_state_dict")
+        local = {id(t) for t in [*self.local_parameters(), *self.local_buffers()]}
+        out: Dict[str, Any] = OrderedDict(
+            (k, v) for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in local)
+        out = OrderedDict((k, v.detach()) for k, v in out.items())
+        out["_smp_is_partial"] = True
+        return out
+
+    def state_dict(self, *args, **kwargs):
+        """The whole model's state with the unwrapped module's keys, gathered from every
+        pipeline rank (every rank of the pipeline group must call it)."""
+        if not self._partitioned:
+            return self.module.state_dict(*args, **kwargs)
+        local = {k: v.cpu() for k, v in self.local_state_dict().items() if k != "_smp_is_partial"}
+        parts: List[Any] = [None] * state.topo.pp_size
+        dist.all_gather_object(parts, local, group=state.pp_group)
+        full = self.module.state_dict()
+        for part in parts:
+            full.update(part)
+        return full
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        sd = dict(state_dict)
+        partial = bool(sd.pop("_smp_is_partial", False))
+        if partial:
+            if not self._partitioned:
+                self._pending_state = (sd, strict, True)
+                return None
+            parts: List[Any] = [None] * state.topo.pp_size
+            dist.all_gather_object(parts, {k: v.cpu() for k, v in sd.items()}, group=state.pp_group)
+            sd = {}
+            for part in parts:
+                sd.update(part)
+        if not self._partitioned:
+            self._pending_state = (sd, strict, False)
+            return None
+        return self.module.load_state_dict(sd, strict=strict)
+
+    def cpu(self):
+        """Gathers every partition's parameters and buffers into this process, on the CPU."""
+        full = self.state_dict()
+        self.module.load_state_dict(full)
+        self.module.to("cpu")
+        return self
+
+    def _require_partitioned(self, what: str) -> None:
+        if not self._partitioned:
+            raise RuntimeError(f"smp: DistributedModel.{what}() is available once the model is partitioned "
+                               "(at the first smp.step call)")
+
+    # -- partition (first smp.step) -------------------------------------------------------------------
+    def _partition(self, fn, first_microbatch) -> None:
+        cfg, topo = state.cfg, state.topo
+        parts = topo.pp_size
+        if parts == 1:
+            assignment = {p: 0 for p, _ in self.module.named_modules()}
+        elif cfg.auto_partition:
+            assignment = self._auto_partition(fn, first_microbatch)
+        else:
+            assignment = manual_assignment(self.module, cfg.default_partition)
+        self._check_agreement(assignment)
+        self._install(assignment)
+        self._partitioned = True
+        if topo.rank == 0 and parts > 1:
+            log.info(describe(self.module, assignment, parts))
+        dev = local_device()
+        for m in self.local_modules():
+            for p in m.parameters(recurse=False):
+                p.data = p.data.to(dev)
+            for name, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[name] = b.to(dev)
+        if cfg.ddp and topo.dp_size > 1:
+            tensors = [p for p in self.local_parameters()]
+            if self.broadcast_buffers:
+                tensors += [b for b in self.local_buffers()]
+            grad_sync.broadcast_from_first(tensors, state.dp_group, topo.dp_group[0])
+        if self._pending_state is not None:
+            sd, strict, partial = self._pending_state
+            self._pending_state = None
+            self.load_state_dict(dict(sd, _smp_is_partial=True) if partial else sd, strict=strict)
+        for hook in list(self._post_partition_hooks.values()):
+            hook(self)
+
+    def _auto_partition(self, fn, first_microbatch) -> Dict[str, int]:
+        cfg = state.cfg
+        trace_dev = local_device() if self.trace_device == "gpu" else torch.device("cpu")
+        args, kwargs = _to(first_microbatch, trace_dev)
+        if trace_dev.type != "cpu":
+            self.module.to(trace_dev)
+        rng_devices = [trace_dev] if trace_dev.type == "cuda" else []
+        try:
+            with torch.random.fork_rng(devices=rng_devices), torch.no_grad(), \
+                    Tracer(self.module, self.trace_execution_times) as tracer:
+                state.tracing = True
+                try:
+                    fn(*args, **kwargs)
+                finally:
+                    state.tracing = False
+        finally:
+            if trace_dev.type != "cpu":
+                self.module.to("cpu")
+        assignment = auto_assignment(self.module, tracer.trace, state.topo.pp_size, cfg.memory_weight)
+        if self.trace_execution_times:  # measured times differ between ranks: rank 0 decides
+            box = [assignment]
+            dist.broadcast_object_list(box, src=0)
+            assignment = box[0]
+        return assignment
+
+    def _check_agreement(self, assignment: Dict[str, int]) -> None:
+        digest = hashlib.sha256(repr(sorted(assignment.items())).encode()).hexdigest()
+        everyone: List[Any] = [None] * state.topo.size
+        dist.all_gather_object(everyone, digest)
+        if len(set(everyone)) != 1:
+            differ = [r for r, d in enumerate(everyone) if d != everyone[0]]
+            raise RuntimeError(f"smp: ranks {differ} chose a different partition from rank 0 (different "
+                               "models or smp.partition contexts on different ranks?)")
+
+    def _install(self, assignment: Dict[str, int]) -> None:
+        topo = state.topo
+        me = topo.pp_rank
+        self._assignment = dict(assignment)
+        for path, m in self.module.named_modules():
+            self._owner_of_module[id(m)] = assignment[path]
+        holders: Dict[int, Tuple[str, set]] = {}
+        for path, m in self.module.named_modules():
+            for name, p in m.named_parameters(recurse=False):
+                full = f"{path}.{name}" if path else name
+                holders.setdefault(id(p), (full, set()))[1].add(assignment[path])
+        for pid, (name, owners) in holders.items():
+            if len(owners) > 1:
+                raise RuntimeError(f"smp: parameter '{name}' is shared by modules on partitions {sorted(owners)}; "
+                                   "tied weights across partitions are not supported: place those modules in "
+                                   "one partition (smp.partition) or tie them after partitioning")
+            self._owner_of_param[pid] = next(iter(owners))
+        links = Links(state.pp_group, topo.pp_group, me, state.cuda_links, local_device())
+        cfg = state.cfg
+        runtime = PipelineRuntime(links, me, topo.pp_size, topo.pp_group, cfg.pipeline, cfg.active_microbatches,
+                                  local_device())
+        runtime.root = self.module
+        runtime.root_owner = assignment[""]
+        for path, m in self.module.named_modules():
+            runtime.modules[path] = m
+            owner = assignment[path]
+            original = (self._sequential_forward(m, path, runtime) if isinstance(m, nn.Sequential)
+                        else m.forward)
+            m.forward = self._dispatching_forward(runtime, path, owner, original, me)
+        self._runtime = runtime
+
+    @staticmethod
+    def _dispatching_forward(runtime: PipelineRuntime, path: str, owner: int, original, me: int):
+        def forward(*args, **kwargs):
+            if owner == me:
+                return original(*args, **kwargs)
+            return runtime.call_remote(owner, path, None, args, kwargs)
+
+        return forward
+
+    def _sequential_forward(self, seq: nn.Sequential, path: str, runtime: PipelineRuntime):
+        """A run of consecutive children on one partition is one remote call, not one per child."""
+        me = state.topo.pp_rank
+        owners = [self._owner_of_module[id(c)] for c in seq]
+
+        def forward(x):
+            children = list(seq)
+            i = 0
+            while i < len(children):
+                j = i + 1
+                while j < len(children) and owners[j] == owners[i]:
+                    j += 1
+                if owners[i] == me:
+                    for child in children[i:j]:
+                        x = child(x)
+                else:
+                    x = runtime.call_remote(owners[i], path, (i, j), (x,), {})
+                i = j
+            return x
+
+        return forward
+
+    # -- a step ------------------------------------------------------------------------------------
+    def _run_step(self, fn, microbatches, grad_enabled: bool, autocast) -> List[Any]:
+        rt = self._runtime
+        results = rt.run_step(fn, microbatches, self.average_grads_across_microbatches, grad_enabled, autocast)
+        cfg, topo = state.cfg, state.topo
+        if rt.backward_seen and cfg.ddp and topo.dp_size > 1:
+            self._steps_with_backward += 1
+            if self._steps_with_backward % self.backward_passes_per_step == 0:
+                grad_sync.average_gradients(list(self.local_parameters()), state.dp_group, topo.dp_size,
+                                            self.bucket_bytes)
+        return results

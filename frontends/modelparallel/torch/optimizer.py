@@ -1,0 +1,85 @@
+"""smp.DistributedOptimizer: the user's optimizer, still a torch.optim.Optimizer (LR schedulers
+keep working), with state-dict methods that know about partitions.
+
+It was built over the whole model's parameters. Only this rank's partition gets gradients,
+and torch optimizers skip parameters without one, so step() updates exactly the local
+parameters (and nothing on a rank that holds none).
+"""
+from __future__ import annotations
+
+import types
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+
+from .state import state
+
+
+def _local_indices(opt: torch.optim.Optimizer) -> set:
+    model = state.model
+    local = {id(p) for p in model.local_parameters()}
+    out, i = set(), 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if id(p) in local:
+                out.add(i)
+            i += 1
+    return out
+
+
+def _local_state_dict(self) -> Dict[str, Any]:
+    full = self._smp_plain_state_dict()
+    keep = _local_indices(self)
+    full["state"] = {k: v for k, v in full["state"].items() if k in keep}
+    full["_smp_is_partial"] = True
+    return full
+
+
+def _state_dict(self) -> Dict[str, Any]:
+    if state.model is None or not state.model.partitioned:
+        return self._smp_plain_state_dict()
+    local = self.local_state_dict()
+    parts: List[Any] = [None] * state.topo.pp_size
+    dist.all_gather_object(parts, {k: _cpu(v) for k, v in local["state"].items()}, group=state.pp_group)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    local["state"] = merged
+    local.pop("_smp_is_partial")
+    return local
+
+
+def _load_state_dict(self, sd: Dict[str, Any]) -> None:
+    sd = dict(sd)
+    if sd.pop("_smp_is_partial", False):
+        parts: List[Any] = [None] * state.topo.pp_size
+        dist.all_gather_object(parts, {k: _cpu(v) for k, v in sd["state"].items()}, group=state.pp_group)
+        merged = {}
+        for part in parts:
+            merged.update(part)
+        sd["state"] = merged
+    self._smp_plain_load_state_dict(sd)
+
+
+def _cpu(v):
+    if isinstance(v, torch.Tensor):
+        return v.cpu()
+    if isinstance(v, dict):
+        return {k: _cpu(x) for k, x in v.items()}
+    return v
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, **_ignored) -> torch.optim.Optimizer:
+    state.require_init("smp.DistributedOptimizer")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"smp.DistributedOptimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if getattr(optimizer, "_smp_wrapped", False):
+        return optimizer
+    optimizer._smp_plain_state_dict = optimizer.state_dict
+    optimizer._smp_plain_load_state_dict = optimizer.load_state_dict
+    optimizer.local_state_dict = types.MethodType(_local_state_dict, optimizer)
+    optimizer.state_dict = types.MethodType(_state_dict, optimizer)
+    optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)
+    optimizer._smp_wrapped = True
+    return optimizer

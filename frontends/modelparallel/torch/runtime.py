@@ -1,0 +1,432 @@
+"""The pipeline runtime: module calls across partitions, a distributed backward, and steps.
+
+After partitioning, each module belongs to one pipeline rank (its partition). A module's
+forward always runs on its owner: when running code calls a module owned elsewhere, the
+arguments go to the owner, which runs the call and sends the outputs back (a remote call).
+The root module runs on its owner for each microbatch; its outputs go to every pipeline rank,
+so every rank runs the user's step function to the end (loss and all) and every rank gets
+the StepOutputs, as in the original. Any Python forward works this way: a child called twice,
+a skip connection across partitions, dict outputs, calls back into an earlier partition.
+nn.Sequential is special-cased: a run of consecutive children on one partition is one call.
+
+Backward. Each remote call records the caller's input tensors and the outputs it received,
+which are fresh leaves. model.backward(loss) runs autograd locally from the loss, then visits
+the microbatch's remote calls in reverse order: it sends the gradients collected on a call's
+outputs to the call's owner, which runs its own backward the same way (its own remote calls
+included) and returns the gradients of the call's inputs; the caller continues autograd from
+those inputs. A call's inputs can only depend on earlier calls' outputs, so reverse call order
+visits every call after all gradient that reaches it has arrived. Autograd never blocks inside
+a backward function (so CUDA's autograd threads are never held), and graphs are retained
+until the microbatch ends because a skip connection can be traversed by two segments.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
+from .wire import Links, Message, encode
+
+
+class StepFailed(RuntimeError):
+    """A pipeline step failed on some rank; raised on every rank of the pipeline."""
+
+
+@dataclass
+class RemoteCall:
+    call_id: Tuple[int, int]
+    owner: int
+    what: str
+    inputs: List[torch.Tensor]      # the caller's tensors that need a gradient back
+    outputs: List[torch.Tensor]     # leaves standing for the owner's outputs
+
+
+@dataclass
+class Task:
+    """One thread's work: a microbatch's step function, or a call served for a peer."""
+    mb: int
+    phase: str
+    calls: List[RemoteCall] = field(default_factory=list)
+    model_calls: int = 0
+    reached_backward: bool = False
+
+
+@dataclass
+class ServedFrame:
+    inputs: List[torch.Tensor]
+    outputs: List[torch.Tensor]
+    calls: List[RemoteCall]
+
+
+_local = threading.local()
+
+
+def current_task() -> Optional[Task]:
+    return getattr(_local, "task", None)
+
+
+class PipelineRuntime:
+    def __init__(self, links: Links, pp_rank: int, pp_size: int, global_ranks: List[int], pipeline: str,
+                 active_microbatches: int, device: torch.device):
+        self.links = links
+        self.pp_rank = pp_rank
+        self.pp_size = pp_size
+        self.global_ranks = global_ranks
+        self.pipeline = pipeline
+        self.active = active_microbatches
+        self.device = device
+        self.modules: Dict[str, torch.nn.Module] = {}  # path -> module, for served calls
+        self.root_owner = 0
+        self.root: Optional[torch.nn.Module] = None
+        self._broken: Optional[str] = None
+        self._reset()
+
+    # -- step --------------------------------------------------------------------------------
+    def _reset(self) -> None:
+        self._lock = threading.Lock()
+        self._error: Optional[BaseException] = None
+        self._abort_sent = False
+        self._token = ComputeToken(self.aborted)
+        self._waiters: Dict[Any, Waiter] = {}
+        self._frames: Dict[Tuple[int, int], ServedFrame] = {}
+        self._ids = itertools.count()
+        self._threads: List[threading.Thread] = []
+        self._flow = threading.Condition()
+        self._started = 0
+        self._finished = 0
+        self._at_backward = 0
+        self.backward_seen = False
+
+    def aborted(self) -> Optional[BaseException]:
+        return self._error
+
+    def run_step(self, fn: Callable, microbatches: List[Tuple[tuple, dict]], average: bool,
+                 grad_enabled: bool, autocast: Dict[str, Any]) -> List[Any]:
+        if self._broken is not None:
+            raise StepFailed(f"smp.step: an earlier step failed ({self._broken}); the pipeline cannot continue")
+        self._reset()
+        self.num_microbatches = len(microbatches)
+        self.grad_scale = 1.0 / len(microbatches) if average else 1.0
+        self._autocast = autocast
+        results: List[Any] = [None] * len(microbatches)
+        receivers = [self._spawn(self._receive_loop, p, name=f"smp-recv-{p}")
+                     for p in range(self.pp_size) if p != self.pp_rank]
+        workers = []
+        for mb, (args, kwargs) in enumerate(microbatches):
+            workers.append(self._spawn(self._run_microbatch, fn, mb, args, kwargs, results, grad_enabled,
+                                       name=f"smp-mb-{mb}"))
+        try:
+            for t in workers:
+                self._join(t)
+            if self.pp_rank != self.root_owner:
+                self._join(receivers[self._peer_index(self.root_owner)])
+            # Nothing more goes out from here this step: the root knows all work is done when
+            # its microbatches finish; the others, when the root says so and theirs finish.
+            if self._error is None:
+                self._send_all(Message("end"))
+            for t in receivers:
+                self._join(t)
+            for t in list(self._threads):
+                self._join(t)
+        except BaseException as e:  # KeyboardInterrupt on this rank: tell the others
+            self._abort(e)
+            raise
+        if self._error is not None:
+            self._broken = str(self._error)
+            if isinstance(self._error, StepFailed):
+                raise self._error
+            raise StepFailed(str(self._error)) from self._error
+        self._frames.clear()
+        return results
+
+    def _peer_index(self, p: int) -> int:
+        return p if p < self.pp_rank else p - 1
+
+    def _join(self, t: threading.Thread) -> None:
+        while t.is_alive():
+            t.join(0.5)
+
+    def _spawn(self, target, *args, name: str) -> threading.Thread:
+        device = self.device
+
+        def run():
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            target(*args)
+
+        t = threading.Thread(target=run, name=name, daemon=True)
+        with self._lock:
+            self._threads.append(t)
+        t.start()
+        return t
+
+    def _run_microbatch(self, fn, mb, args, kwargs, results, grad_enabled) -> None:
+        _local.task = task = Task(mb, FORWARD)
+        try:
+            if self.pp_rank == self.root_owner:
+                self._admit(mb)
+            with torch.set_grad_enabled(grad_enabled), self._autocast_context():
+                self._token.acquire(self._prio(task))
+                try:
+                    results[mb] = fn(*args, **kwargs)
+                finally:
+                    self._token.release()
+        except BaseException as e:
+            self._abort(e if isinstance(e, StepFailed) else
+                        StepFailed(self._describe(f"the step function of microbatch {mb} raised", e)))
+        finally:
+            _local.task = None
+            with self._flow:
+                self._finished += 1
+                if not task.reached_backward:
+                    self._at_backward += 1
+                self._flow.notify_all()
+
+    def _admit(self, mb: int) -> None:
+        """Interleaved: at most `active_microbatches` microbatches between start and finish."""
+        with self._flow:
+            while self.pipeline == "interleaved" and self._started - self._finished >= self.active:
+                if self._error is not None:
+                    raise self._error
+                self._flow.wait(0.5)
+            self._started += 1
+
+    def _prio(self, task: Task):
+        return priority(self.pipeline, task.phase, task.mb)
+
+    def _autocast_context(self):
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        for device_type, dtype in self._autocast.items():
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        return stack
+
+    # -- the model's forward and backward, called from the user's step function -----------------
+    def model_forward(self, args, kwargs):
+        task = current_task()
+        if task is None:
+            raise RuntimeError("smp: the DistributedModel was called outside an smp.step function (call it "
+                               "inside the @smp.step function, which runs it once per microbatch)")
+        k = task.model_calls
+        task.model_calls += 1
+        if self.pp_rank == self.root_owner:
+            out = self.root(*args, **kwargs)
+            self._send_all(Message("out", {"mb": task.mb, "k": k}, out))
+            return out
+        return self._wait(("out", task.mb, k), f"the model output of microbatch {task.mb}")
+
+    def model_backward(self, tensors, grads) -> None:
+        task = current_task()
+        if task is None:
+            raise RuntimeError("smp: DistributedModel.backward was called outside an smp.step function")
+        self.backward_seen = True
+        if not task.reached_backward:
+            task.reached_backward = True
+            with self._flow:
+                self._at_backward += 1
+                self._flow.notify_all()
+        if self.pp_rank != self.root_owner:
+            return  # this rank's copy of the outputs has no graph: its part runs when asked
+        task.phase = BACKWARD
+        self._token.release()
+        try:
+            if self.pipeline == "simple":
+                with self._flow:  # all forwards before any backward
+                    while self._at_backward < self.num_microbatches:
+                        if self._error is not None:
+                            raise self._error
+                        self._flow.wait(0.5)
+        finally:
+            self._token.acquire(self._prio(task))
+        seeds, seed_grads = [], []
+        for t, g in zip(tensors, grads):
+            if not isinstance(t, torch.Tensor) or not t.requires_grad:
+                continue
+            if g is None:
+                if t.numel() != 1:
+                    raise RuntimeError("smp: model.backward(tensors) without gradients needs one-element tensors")
+                g = torch.ones_like(t)
+            seeds.append(t)
+            seed_grads.append(g * self.grad_scale if self.grad_scale != 1.0 else g)
+        self._backward(task.calls, seeds, seed_grads)
+        task.calls = []
+
+    def _backward(self, calls: List[RemoteCall], seeds, seed_grads) -> None:
+        if seeds:
+            torch.autograd.backward(seeds, seed_grads, retain_graph=bool(calls))
+        for call in reversed(calls):
+            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in call.outputs]
+            in_grads = self._request(call.owner, Message("bwd", {"id": call.call_id, "mb": current_task().mb}, grads),
+                                     ("bwd_done", call.call_id), f"the backward of {call.what}")
+            pairs = [(t, g) for t, g in zip(call.inputs, in_grads) if g is not None]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], retain_graph=True)
+
+    # -- remote calls ---------------------------------------------------------------------------
+    def call_remote(self, owner: int, path: str, span: Optional[Tuple[int, int]], args, kwargs):
+        task = current_task()
+        if task is None:
+            where = f"module '{path or '<root>'}'"
+            raise RuntimeError(f"smp: {where} lives on partition {owner}; call the model inside an "
+                               "smp.step function")
+        call_id = (self.pp_rank, next(self._ids))
+        what = f"module '{path or '<root>'}'" + (f" children {span[0]}..{span[1] - 1}" if span else "")
+        msg = Message("fwd", {"id": call_id, "mb": task.mb, "path": path, "span": span,
+                              "grad": torch.is_grad_enabled()}, (args, kwargs))
+        waiter = self._expect(("fwd_done", call_id), f"the forward of {what} on partition {owner}")
+        sent = self.links.send(owner, msg)
+        out, tensors, specs = self._wait_on(waiter)
+        inputs = [t for t in sent if t.requires_grad]
+        leaves = []
+        for t, s in zip(tensors, specs):
+            if s.requires_grad:
+                t.requires_grad_(True)
+                leaves.append(t)
+        if leaves:
+            task.calls.append(RemoteCall(call_id, owner, what, inputs, leaves))
+        return out
+
+    def _request(self, owner: int, msg: Message, key, what: str):
+        waiter = self._expect(key, what + f" on partition {owner}")
+        self.links.send(owner, msg)
+        body, _, _ = self._wait_on(waiter)
+        return body
+
+    def _expect(self, key, what: str) -> Waiter:
+        with self._lock:
+            if key in self._waiters:  # delivered before we asked (the "out" broadcast)
+                return self._waiters[key]
+            w = self._waiters[key] = Waiter(what)
+            if self._error is not None:
+                w.fail(self._error)
+            return w
+
+    def _wait(self, key, what: str):
+        body, _, _ = self._wait_on(self._expect(key, what))
+        return body
+
+    def _wait_on(self, waiter: Waiter):
+        task = current_task()
+        self._token.release()
+        try:
+            return waiter.wait(self.aborted)
+        finally:
+            self._token.acquire(self._prio(task))
+
+    # -- serving peers --------------------------------------------------------------------------
+    def _receive_loop(self, src: int) -> None:
+        while True:
+            try:
+                msg, tensors, specs = self.links.receive(src)
+            except BaseException as e:
+                if "made no progress" in str(e) and self._error is None:
+                    continue  # a quiet link (this peer had nothing to say yet), not a fault
+                if self._error is None:
+                    self._abort(StepFailed(self._describe(
+                        f"the link from pipeline rank {src} (global rank {self.global_ranks[src]}) failed", e)))
+                return
+            if msg.kind in ("fwd", "bwd"):
+                self._spawn(self._serve, src, msg, tensors, specs, name=f"smp-serve-{msg.kind}")
+            elif msg.kind in ("fwd_done", "bwd_done", "out"):
+                key = (msg.kind, msg.fields["mb"], msg.fields["k"]) if msg.kind == "out" else (msg.kind, msg.fields["id"])
+                self._deliver(key, (msg.body, tensors, specs))
+            elif msg.kind == "end":
+                return
+            elif msg.kind == "abort":
+                self._abort(StepFailed(msg.fields["why"]), from_peer=True)
+                return
+
+    def _deliver(self, key, value) -> None:
+        with self._lock:
+            w = self._waiters.get(key)
+            if w is None:
+                w = self._waiters[key] = Waiter(str(key))
+        w.set(value)
+
+    def _serve(self, src: int, msg: Message, tensors, specs) -> None:
+        f = msg.fields
+        _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD)
+        try:
+            with self._autocast_context():
+                self._token.acquire(self._prio(task))
+                try:
+                    if msg.kind == "fwd":
+                        meta, out = self._serve_forward(f, msg.body, tensors, specs, task)
+                    else:
+                        meta, out = encode(self._serve_backward(f, msg.body))[:2]
+                finally:
+                    self._token.release()
+            self.links.send_encoded(src, meta, out)
+        except BaseException as e:
+            what = f"module '{f.get('path') or '<root>'}'" if msg.kind == "fwd" else "a backward"
+            self._abort(e if isinstance(e, StepFailed) else StepFailed(self._describe(
+                f"{what} of microbatch {f['mb']} raised", e)))
+        finally:
+            _local.task = None
+
+    def _serve_forward(self, f, body, tensors, specs, task: Task) -> Message:
+        inputs = []
+        for t, s in zip(tensors, specs):
+            if s.requires_grad and (t.is_floating_point() or t.is_complex()):
+                t.requires_grad_(True)
+                inputs.append(t)
+        args, kwargs = body
+        module = self.modules[f["path"]]
+        with torch.set_grad_enabled(f["grad"]):
+            if f["span"] is None:
+                out = module(*args, **kwargs)
+            else:
+                out = args[0]
+                for child in list(module)[f["span"][0]:f["span"][1]]:
+                    out = child(out)
+        meta, out_tensors, _ = encode(Message("fwd_done", {"id": f["id"]}, out))
+        outputs = [t for t in out_tensors if t.requires_grad]
+        if outputs:  # stored before the reply goes: the caller's backward may follow at once
+            with self._lock:
+                self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls)
+        return meta, out_tensors
+
+    def _serve_backward(self, f, grads) -> Message:
+        with self._lock:
+            frame = self._frames.pop(f["id"])
+        self._backward(frame.calls, frame.outputs, list(grads))
+        in_grads = [t.grad for t in frame.inputs]
+        return Message("bwd_done", {"id": f["id"]}, in_grads)
+
+    # -- failure ----------------------------------------------------------------------------------
+    def _describe(self, what: str, e: BaseException) -> str:
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])
+        return (f"pipeline rank {self.pp_rank} (global rank {self.global_ranks[self.pp_rank]}): {what}: "
+                f"{type(e).__name__}: {e}\n{tb}")
+
+    def _abort(self, error: BaseException, from_peer: bool = False) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            first_send = not self._abort_sent
+            self._abort_sent = True
+            waiters = list(self._waiters.values())
+        for w in waiters:
+            w.fail(self._error)
+        self._token.wake()
+        with self._flow:
+            self._flow.notify_all()
+        if first_send:
+            why = str(self._error)
+            for p in range(self.pp_size):
+                if p != self.pp_rank:
+                    try:
+                        self.links.send(p, Message("abort", {"why": why}))
+                    except BaseException:
+                        pass  # that peer is gone: its own link failure ends its step
+
+    def _send_all(self, msg: Message) -> None:
+        for p in range(self.pp_size):
+            if p != self.pp_rank:
+                self.links.send(p, msg)

@@ -1,0 +1,98 @@
+"""Which piece of pipeline work runs next on this rank.
+
+Every microbatch's step function, and every module call served for a peer, runs in its own
+thread (a call may wait on a peer in the middle of Python code, so each needs its own stack).
+Only one of them computes at a time: it holds the compute token, and gives it back whenever
+it waits on a peer. The waiting task with the smallest priority gets the token next, so the
+order of work is decided by the schedule, not by thread timing:
+
+    "interleaved": backward before forward, then the oldest microbatch (1F1B-like)
+    "simple":      forward before backward, then the oldest microbatch (GPipe-like)
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from contextlib import contextmanager
+from typing import Callable, Optional, Tuple
+
+FORWARD = "fwd"
+BACKWARD = "bwd"
+
+
+def priority(pipeline: str, phase: str, mb: int) -> Tuple[int, int]:
+    if pipeline == "interleaved":
+        return (0 if phase == BACKWARD else 1, mb)
+    return (0 if phase == FORWARD else 1, mb)
+
+
+class ComputeToken:
+    def __init__(self, aborted: Callable[[], Optional[BaseException]]):
+        self._cv = threading.Condition()
+        self._holder: Optional[int] = None
+        self._queue: list = []
+        self._seq = itertools.count()
+        self._aborted = aborted
+
+    def acquire(self, prio) -> None:
+        with self._cv:
+            entry = (prio, next(self._seq))
+            heapq.heappush(self._queue, entry)
+            try:
+                while self._holder is not None or self._queue[0] != entry:
+                    if (err := self._aborted()) is not None:
+                        raise err
+                    self._cv.wait(0.5)
+            except BaseException:
+                self._queue.remove(entry)
+                heapq.heapify(self._queue)
+                self._cv.notify_all()
+                raise
+            heapq.heappop(self._queue)
+            self._holder = threading.get_ident()
+
+    def release(self) -> None:
+        with self._cv:
+            if self._holder == threading.get_ident():
+                self._holder = None
+                self._cv.notify_all()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    @contextmanager
+    def held(self, prio):
+        self.acquire(prio)
+        try:
+            yield
+        finally:
+            self.release()
+
+
+class Waiter:
+    """A value that a receiver thread delivers to a task, or an error that ends the step."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self._done = threading.Event()
+        self._value = None
+        self._error: Optional[BaseException] = None
+
+    def set(self, value) -> None:
+        self._value = value
+        self._done.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self._done.is_set():
+            self._error = error
+            self._done.set()
+
+    def wait(self, aborted: Callable[[], Optional[BaseException]]):
+        while not self._done.wait(0.5):
+            if (err := aborted()) is not None:
+                raise err
+        if self._error is not None:
+            raise self._error
+        return self._value

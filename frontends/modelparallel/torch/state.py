@@ -1,0 +1,85 @@
+"""Process state: the configuration, where this rank sits, and its process groups.
+
+smp.init starts torch.distributed on the smddp backend (unless the script already did) and
+makes the groups: one pipeline group per model replica, one data-parallel group per
+partition, and, when CUDA is there, a one-way group per ordered pair of pipeline ranks for
+tensors that travel through NCCL (see wire.py).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .config import Config, resolve
+from .topology import Topology
+
+
+class _State:
+    def __init__(self):
+        self.initialized = False
+        self.cfg: Optional[Config] = None
+        self.topo: Optional[Topology] = None
+        self.pp_group = None
+        self.dp_group = None
+        self.cuda_links: Dict[Tuple[int, int], Any] = {}
+        self.local_rank = 0
+        self.local_size = 1
+        self.model = None
+        self.tracing = False
+
+    def require_init(self, what: str) -> None:
+        if not self.initialized:
+            raise RuntimeError(f"{what}: call smp.init() first")
+
+
+state = _State()
+
+
+def _world_size_before_init() -> int:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ["WORLD_SIZE"])
+
+
+def init(config: Optional[Dict[str, Any]] = None) -> None:
+    if state.initialized:
+        raise RuntimeError("smp.init() was already called in this process")
+    import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401 (registers smddp, fills RANK...)
+
+    cfg = resolve(config, _world_size_before_init())  # checked before any communication
+    if not dist.is_initialized():
+        dist.init_process_group("smddp")
+    topo = Topology(dist.get_rank(), dist.get_world_size(), cfg.partitions, cfg.placement_strategy)
+    # Every rank makes every group, in the same order (new_group is collective over the world).
+    for d in range(topo.dp_size):
+        g = dist.new_group(topo.pp_group_of(d))
+        if d == topo.dp_rank:
+            state.pp_group = g
+    for p in range(topo.pp_size):
+        g = dist.new_group(topo.dp_group_of(p))
+        if p == topo.pp_rank:
+            state.dp_group = g
+    if torch.cuda.is_available() and topo.pp_size > 1:
+        for d in range(topo.dp_size):
+            ranks = topo.pp_group_of(d)
+            for a in range(topo.pp_size):
+                for b in range(topo.pp_size):
+                    if a != b:
+                        g = dist.new_group([ranks[a], ranks[b]])
+                        if d == topo.dp_rank:
+                            state.cuda_links[(a, b)] = g
+    state.cfg = cfg
+    state.topo = topo
+    state.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    state.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    state.initialized = True
+
+
+def device() -> torch.device:
+    """Where this rank's partition lives: its GPU when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", state.local_rank % torch.cuda.device_count())
+    return torch.device("cpu")

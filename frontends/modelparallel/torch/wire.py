@@ -1,0 +1,163 @@
+"""Messages between the pipeline ranks of one model replica, and how they travel.
+
+A message is a kind, a few fields, and a body: any picklable structure in which tensors may
+sit anywhere (args, kwargs, a model's dict or dataclass output). The body is pickled with
+each tensor replaced by its index (pickle's persistent ids), so any container type travels
+unchanged and the tensors go as raw data:
+
+    header   4096 bytes, tag TAG_HEADER: meta length (8 bytes) + the meta if it fits
+    meta     the rest of the meta, tag TAG_META, when it did not fit
+    tensors  one message each: CPU tensors on the pipeline group (tag TAG_PAYLOAD), CUDA
+             tensors on the one-way group of this (sender, receiver) pair, through NCCL
+
+The meta is (tensor specs, pickled body). A link carries messages one after another: senders
+to one peer hold that peer's lock while they post and finish a message, and one receiver
+thread per peer reads them in order, so the parts of two messages never interleave (NCCL has
+no tags: a one-way group with one writer and one reader keeps its order).
+"""
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+TAG_HEADER = 7101
+TAG_META = 7102
+TAG_PAYLOAD = 7103
+HEADER_BYTES = 4096
+_LEN = 8
+
+
+@dataclass
+class TensorSpec:
+    shape: Tuple[int, ...]
+    dtype: torch.dtype
+    on_cuda: bool
+    requires_grad: bool
+
+
+@dataclass
+class Message:
+    kind: str
+    fields: Dict[str, Any] = field(default_factory=dict)
+    body: Any = None
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, buf, tensors: List[torch.Tensor]):
+        super().__init__(buf, protocol=pickle.HIGHEST_PROTOCOL)
+        self._tensors = tensors
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.Tensor):
+            self._tensors.append(obj)
+            return len(self._tensors) - 1
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, buf, tensors: List[torch.Tensor]):
+        super().__init__(buf)
+        self._tensors = tensors
+
+    def persistent_load(self, pid):
+        return self._tensors[pid]
+
+
+def encode(msg: Message) -> Tuple[bytes, List[torch.Tensor], List[TensorSpec]]:
+    """The meta bytes and the tensors of `msg`, in the order the receiver will rebuild them.
+    The tensors are the caller's own (with their autograd history): only their data is sent."""
+    tensors: List[torch.Tensor] = []
+    buf = io.BytesIO()
+    _Pickler(buf, tensors).dump((msg.kind, msg.fields, msg.body))
+    specs = []
+    for t in tensors:
+        if t.is_sparse or t.layout != torch.strided:
+            raise TypeError("smp: only dense (strided) tensors can cross a partition boundary")
+        specs.append(TensorSpec(tuple(t.shape), t.dtype, t.is_cuda, t.requires_grad))
+    return pickle.dumps((specs, buf.getvalue()), protocol=pickle.HIGHEST_PROTOCOL), tensors, specs
+
+
+def decode(meta: bytes, tensors: List[torch.Tensor]) -> Message:
+    kind, fields, body = _Unpickler(io.BytesIO(meta), tensors).load()
+    return Message(kind, fields, body)
+
+
+class Links:
+    """Point-to-point message links between this rank and the other pipeline ranks."""
+
+    def __init__(self, pp_group, pp_ranks: List[int], me: int, cuda_groups: Dict[Tuple[int, int], Any],
+                 device: torch.device):
+        self._group = pp_group
+        self._ranks = pp_ranks  # global rank of each pipeline rank
+        self._me = me
+        self._cuda_groups = cuda_groups  # (src pp rank, dst pp rank) -> one-way group
+        self._device = device
+        self._locks = {p: threading.Lock() for p in range(len(pp_ranks)) if p != me}
+
+    def send(self, dst: int, msg: Message) -> List[torch.Tensor]:
+        """Sends `msg` to pipeline rank `dst`; returns the tensors it carried (the caller's)."""
+        meta, tensors, _ = encode(msg)
+        self.send_encoded(dst, meta, tensors)
+        return tensors
+
+    def send_encoded(self, dst: int, meta: bytes, tensors: List[torch.Tensor]) -> None:
+        header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+        header[:_LEN] = torch.frombuffer(bytearray(len(meta).to_bytes(_LEN, "little")), dtype=torch.uint8)
+        inline = min(len(meta), HEADER_BYTES - _LEN)
+        if inline:
+            header[_LEN:_LEN + inline] = torch.frombuffer(bytearray(meta[:inline]), dtype=torch.uint8)
+        peer = self._ranks[dst]
+        with self._locks[dst]:
+            works = [dist.isend(header, peer, group=self._group, tag=TAG_HEADER)]
+            held = []  # contiguous copies must live until their sends finish
+            if len(meta) > inline:
+                rest = torch.frombuffer(bytearray(meta[inline:]), dtype=torch.uint8)
+                works.append(dist.isend(rest, peer, group=self._group, tag=TAG_META))
+            for t in tensors:
+                data = t.detach().contiguous()
+                held.append(data)
+                if data.is_cuda:
+                    works.append(dist.isend(data, peer, group=self._cuda_group(self._me, dst)))
+                else:
+                    works.append(dist.isend(data, peer, group=self._group, tag=TAG_PAYLOAD))
+            for w in works:
+                w.wait()
+
+    def receive(self, src: int) -> Tuple[Message, List[torch.Tensor], List[TensorSpec]]:
+        """The next message from pipeline rank `src` (only its receiver thread calls this)."""
+        peer = self._ranks[src]
+        header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        dist.recv(header, peer, group=self._group, tag=TAG_HEADER)
+        raw = header.numpy().tobytes()
+        n = int.from_bytes(raw[:_LEN], "little")
+        if n > (1 << 31):
+            raise RuntimeError(f"smp: a message header from pipeline rank {src} claims {n} bytes of metadata")
+        meta = raw[_LEN:_LEN + min(n, HEADER_BYTES - _LEN)]
+        if n > len(meta):
+            rest = torch.empty(n - len(meta), dtype=torch.uint8)
+            dist.recv(rest, peer, group=self._group, tag=TAG_META)
+            meta += rest.numpy().tobytes()
+        specs, body = pickle.loads(meta)
+        tensors = []
+        for s in specs:
+            if s.on_cuda:
+                t = torch.empty(s.shape, dtype=s.dtype, device=self._device)
+                dist.recv(t, peer, group=self._cuda_group(src, self._me))
+            else:
+                t = torch.empty(s.shape, dtype=s.dtype)
+                dist.recv(t, peer, group=self._group, tag=TAG_PAYLOAD)
+            tensors.append(t)
+        return decode(body, tensors), tensors, specs
+
+    def _cuda_group(self, src: int, dst: int):
+        group = self._cuda_groups.get((src, dst))
+        if group is None:
+            raise RuntimeError("smp: a CUDA tensor crosses a partition boundary but CUDA links were not "
+                               "made at smp.init (was CUDA unavailable then?)")
+        return group

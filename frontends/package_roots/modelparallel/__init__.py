@@ -1,0 +1,1 @@
+"""smdistributed.modelparallel: pipeline-parallel training (smp.step, DistributedModel) on smddp groups."""

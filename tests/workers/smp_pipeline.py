@@ -1,0 +1,136 @@
+"""Pipeline training equivalence: N steps through smp on this world against one process
+training the same model on the same batches. Prints one JSON line per rank.
+
+argv: model (seq | skip), mode (auto | manual), pipeline (simple | interleaved), partitions,
+microbatches, steps.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import smdistributed.modelparallel.torch as smp
+
+MODEL, MODE, PIPELINE = sys.argv[1], sys.argv[2], sys.argv[3]
+PARTS, MBS, STEPS = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+BATCH, WIDTH = 24, 16
+
+
+class Block(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.fc = nn.Linear(w, w)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class SkipNet(nn.Module):
+    """Not a plain sequence: a skip connection from the first partition to the last, a module
+    called twice (on both sides of another partition's work), dict outputs, kwargs."""
+
+    def __init__(self, parts):
+        super().__init__()
+        last = parts - 1
+        with smp.partition(0):
+            self.embed = nn.Linear(8, WIDTH)
+            self.shared = Block(WIDTH)
+        with smp.partition(min(1, last)):
+            self.middle = nn.Sequential(Block(WIDTH), Block(WIDTH))
+        with smp.partition(last):
+            self.head = nn.Linear(WIDTH, 4)
+            self.gate = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, scale=1.0):
+        h = self.embed(x)
+        skip = h
+        h = self.shared(h)
+        h = self.middle(h)
+        h = self.shared(h) * torch.sigmoid(self.gate(skip))
+        return {"logits": self.head(h) * scale, "hidden": h}
+
+
+def build():
+    torch.manual_seed(1234)
+    if MODEL == "seq":
+        layers = [nn.Linear(8, WIDTH), nn.ReLU()]
+        for _ in range(5):
+            layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+        layers += [nn.Linear(WIDTH, 4)]
+        return nn.Sequential(*layers)
+    return SkipNet(PARTS)
+
+
+def loss_of(out, target):
+    logits = out["logits"] if isinstance(out, dict) else out
+    return F.cross_entropy(logits, target)
+
+
+def batches(dp_rank, dp_size):
+    g = torch.Generator().manual_seed(99)
+    out = []
+    for _ in range(STEPS):
+        x = torch.randn(BATCH * dp_size, 8, generator=g)
+        y = torch.randint(0, 4, (BATCH * dp_size,), generator=g)
+        out.append((x, y))
+    return out
+
+
+def main():
+    cfg = {"partitions": PARTS, "microbatches": MBS, "pipeline": PIPELINE,
+           "auto_partition": MODE == "auto", "ddp": True}
+    if MODE == "manual":
+        cfg["default_partition"] = 0
+    smp.init(cfg)
+    data = batches(smp.dp_rank(), smp.dp_size())
+
+    # The reference: one process, the whole batch of every replica, plain autograd.
+    ref = build()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_losses = []
+    for x, y in data:
+        ref_opt.zero_grad()
+        loss = loss_of(ref(x, scale=0.5) if MODEL == "skip" else ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(loss.item())
+
+    model = smp.DistributedModel(build())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+    @smp.step
+    def train_step(model, x, y):
+        out = model(x, scale=0.5) if MODEL == "skip" else model(x)
+        loss = loss_of(out, y)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for x, y in data:
+        shard = slice(smp.dp_rank() * BATCH, (smp.dp_rank() + 1) * BATCH)
+        opt.zero_grad()
+        loss_mb = train_step(model, x[shard], y[shard])
+        loss = loss_mb.reduce_mean()
+        # The reference loss is over every replica's samples: average the replicas' losses.
+        if smp.dp_size() > 1:
+            t = loss.detach().clone()
+            torch.distributed.all_reduce(t, group=smp.get_dp_process_group())
+            loss = t / smp.dp_size()
+        opt.step()
+        losses.append(loss.item())
+
+    full = model.state_dict()
+    ref_sd = ref.state_dict()
+    worst = max(((full[k] - ref_sd[k]).abs().max() / (ref_sd[k].abs().max() + 1e-12)).item() for k in ref_sd)
+    loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
+    local = sorted(n for n, _ in model.local_named_parameters())
+    print(json.dumps({"rank": smp.rank(), "pp_rank": smp.pp_rank(), "dp_rank": smp.dp_rank(),
+                      "param_rel_err": worst, "loss_rel_err": loss_err, "keys_match": sorted(full) == sorted(ref_sd),
+                      "local": local, "losses": losses}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""smdistributed.modelparallel.torch: configuration, layout and partition logic in process,
+then pipelines of real processes trained against one process on the same batches."""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+from smdistributed.modelparallel.torch.config import ConfigError, resolve  # noqa: E402
+from smdistributed.modelparallel.torch.partition import _linear_partition, auto_assignment  # noqa: E402
+from smdistributed.modelparallel.torch.step import StepOutput, split_arguments  # noqa: E402
+from smdistributed.modelparallel.torch.topology import Topology  # noqa: E402
+from smdistributed.modelparallel.torch.trace import Tracer  # noqa: E402
+from world import assert_all_ok, free_port, run_world  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "modelparallel"
+
+
+# -- configuration -------------------------------------------------------------------------------
+def test_config_defaults_follow_the_original():
+    c = resolve({"partitions": 2}, 2, environ={})
+    assert (c.microbatches, c.pipeline, c.optimize, c.memory_weight, c.placement_strategy) == \
+        (1, "interleaved", "speed", 0.2, "cluster")
+    assert (c.auto_partition, c.ddp, c.active_microbatches) == (True, False, 4)
+    assert resolve({"partitions": 2, "optimize": "memory"}, 2, environ={}).memory_weight == 0.8
+
+
+def test_sagemaker_parameters_win_over_the_dict_and_the_alias_is_accepted():
+    env = {"SM_HP_MP_PARAMETERS": json.dumps({"pipeline_parallel_degree": 4, "microbatches": 8})}
+    c = resolve({"partitions": 2, "microbatches": 2, "ddp": True}, 8, environ=env)
+    assert (c.partitions, c.microbatches) == (4, 8)
+
+
+@pytest.mark.parametrize("config, world, fragment", [
+    ({"partitions": 2, "microbatchs": 4}, 2, "unknown configuration key 'microbatchs'"),
+    ({"partitions": 3}, 4, "world size 4 is not divisible by 'partitions' = 3"),
+    ({"partitions": 2, "auto_partition": False}, 2, "needs 'default_partition'"),
+    ({"partitions": 2, "auto_partition": False, "default_partition": 2}, 2, "only 2 partitions"),
+    ({"partitions": 2}, 4, "needs 'ddp': true"),
+    ({}, 2, "'partitions' (the pipeline-parallel degree) is required"),
+    ({"partitions": 2, "pipeline": "1f1b"}, 2, "'pipeline' must be one of"),
+    ({"partitions": 2, "tensor_parallel_degree": 2}, 2, "not supported"),
+])
+def test_bad_configuration_is_refused_with_the_key_named(config, world, fragment):
+    with pytest.raises(ConfigError) as e:
+        resolve(config, world, environ={})
+    assert fragment in str(e.value)
+
+
+def test_bad_sagemaker_json_is_named():
+    with pytest.raises(ConfigError, match="SM_HP_MP_PARAMETERS is not valid JSON"):
+        resolve({"partitions": 2}, 2, environ={"SM_HP_MP_PARAMETERS": "{partitions: 2"})
+
+
+# -- layout ----------------------------------------------------------------------------------------
+def test_placement_strategies_lay_ranks_out_as_the_original():
+    cluster = [Topology(r, 8, 2, "cluster") for r in range(8)]
+    assert [t.pp_group for t in cluster][:4] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert cluster[3].dp_group == [1, 3, 5, 7] and (cluster[3].pp_rank, cluster[3].dp_rank) == (1, 1)
+    spread = [Topology(r, 8, 2, "spread") for r in range(8)]
+    assert spread[0].pp_group == [0, 4] and spread[5].pp_group == [1, 5]
+    assert spread[5].dp_group == [4, 5, 6, 7] and (spread[5].pp_rank, spread[5].dp_rank) == (1, 1)
+
+
+# -- partition ---------------------------------------------------------------------------------------
+def test_linear_partition_minimises_the_largest_run():
+    assert _linear_partition([1, 1, 1, 1, 1, 1, 1, 1], 2) == [0, 4]
+    assert _linear_partition([4, 1, 1, 1, 1], 2) == [0, 1]
+    assert _linear_partition([1, 2, 3], 3) == [0, 1, 2]
+    starts = _linear_partition([1.0], 3)  # fewer units than partitions: some stay empty
+    assert len(starts) == 3
+
+
+def test_auto_partition_balances_a_layer_stack_and_keeps_the_root_on_its_first_unit():
+    stack = nn.Sequential(*[nn.Linear(32, 32) for _ in range(16)])
+    with Tracer(stack, timed=False) as tracer:
+        stack(torch.randn(4, 32))
+    a = auto_assignment(stack, tracer.trace, 2, 0.2)
+    assert [a[str(i)] for i in range(16)] == [0] * 8 + [1] * 8
+    assert a[""] == 0
+
+
+def test_auto_partition_weighs_heavy_modules():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small = nn.ModuleList(nn.Linear(8, 8) for _ in range(6))
+            self.big = nn.Linear(8, 2048)
+            self.out = nn.Linear(2048, 4)
+
+        def forward(self, x):
+            for m in self.small:
+                x = m(x)
+            return self.out(self.big(x))
+
+    net = Net()
+    with Tracer(net, timed=False) as tracer:
+        net(torch.randn(2, 8))
+    a = auto_assignment(net, tracer.trace, 2, 0.2)
+    assert a["small"] == 0 and a["out"] == 1
+
+
+# -- microbatches ----------------------------------------------------------------------------------
+def test_split_follows_nesting_axes_and_non_split_inputs():
+    class Sliced:
+        def __init__(self, v):
+            self.v = v
+
+        def smp_slice(self, num_mb, mb, axis):
+            return Sliced(self.v[mb::num_mb])
+
+    def fn(x, extra, mask, obj, scale=1.0):
+        return x
+
+    x = torch.arange(12).reshape(6, 2)
+    mbs = split_arguments(fn, (x, {"a": [x, x * 2]}, torch.ones(3, 6), Sliced(list(range(6)))), {"scale": 2.0},
+                          3, non_split=["obj"], axes={"mask": 1})
+    assert len(mbs) == 3
+    args, kwargs = mbs[1]
+    assert torch.equal(args[0], x[2:4]) and torch.equal(args[1]["a"][1], 2 * x[2:4])
+    assert args[2].shape == (3, 2) and isinstance(args[3], Sliced) and args[3].v == list(range(6))
+    assert tuple(args[4:]) + tuple(kwargs.values()) == (2.0,)  # scale, passed through whole
+    with pytest.raises(ValueError, match="6 samples along axis 0, which 4 microbatches do not divide"):
+        split_arguments(fn, (x, {}, torch.ones(3, 8), None), {}, 4, [], {})
+
+
+def test_step_output_reductions():
+    out = StepOutput([torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0])])
+    assert torch.equal(out.reduce_mean(), torch.tensor([2.0, 4.0]))
+    assert torch.equal(out.reduce_sum(), torch.tensor([4.0, 8.0]))
+    assert out.concat().shape == (4,) and out.stack().shape == (2, 2)
+
+
+# -- pipelines of processes --------------------------------------------------------------------------
+LAYOUTS = [(2, 2), (3, 3), (4, 2)]  # (processes, partitions): pp=2, pp=3, pp=2 x dp=2
+CASES = [("skip", "manual", "simple"), ("skip", "manual", "interleaved"), ("skip", "auto", "simple"),
+         ("seq", "auto", "interleaved")]
+
+
+@pytest.mark.parametrize("procs, parts", LAYOUTS, ids=["pp2", "pp3", "pp2xdp2"])
+@pytest.mark.parametrize("model, mode, pipeline", CASES, ids=["-".join(c) for c in CASES])
+def test_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):
+    results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(parts), "4", "5"], timeout=120)
+    assert_all_ok(results)
+    reports = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    owned = [set(r["local"]) for r in reports if r["dp_rank"] == 0]
+    assert set().union(*owned) and sum(len(o) for o in owned) == len(set().union(*owned)), owned
+    if mode == "manual" or model == "skip":
+        assert sum(1 for o in owned if o) >= 2, f"the model was not split: {owned}"
+    for r in reports:
+        assert r["keys_match"], r
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+        assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
+
+
+def test_misuse_gets_clear_errors_and_the_pipeline_still_works():
+    results = run_world(2, "smp_errors.py", ["misuse"], timeout=90)
+    assert_all_ok(results)
+    assert all("MISUSE OK" in r.stdout for r in results)
+
+
+def test_bad_configuration_is_refused_on_every_rank_before_any_work():
+    results = run_world(2, "smp_errors.py", ["bad_config"], timeout=90)
+    assert_all_ok(results)
+    assert all("unknown configuration key 'partitons'" in r.stdout for r in results)
+
+
+def test_a_rank_that_dies_mid_step_is_named_on_every_other_rank():
+    results = run_world(3, "smp_errors.py", ["rank_dies"], timeout=90)
+    assert results[1].returncode == 3, results[1].output
+    for r in (results[0], results[2]):
+        assert r.returncode == 0, r.output
+        assert "STEP FAILED" in r.stdout and "rank 1" in r.stdout, r.output
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("smddp-")]
+    assert not leftovers, leftovers
+
+
+# -- the seed scripts, under each launcher -----------------------------------------------------------
+def _launch(launcher, procs, script, params, tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", SMDDP_TIMEOUT="60", SM_HP_MP_PARAMETERS=json.dumps(params),
+               PYTHONPATH=str(EXAMPLES))
+    if launcher == "smddprun":
+        cmd = [sys.executable, "-m", "smdistributed.common.launcher", "-np", str(procs), "--", sys.executable,
+               str(EXAMPLES / script)]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
+               str(free_port()), str(EXAMPLES / script)]
+    else:
+        if shutil.which("mpirun") is None:
+            pytest.skip("mpirun is not installed (Debian: openmpi-bin)")
+        cmd = ["mpirun", "--oversubscribe", "--allow-run-as-root", "-np", str(procs), "-x", "SM_HP_MP_PARAMETERS",
+               "-x", "PYTHONPATH", "-x", "CUDA_VISIBLE_DEVICES", sys.executable, str(EXAMPLES / script)]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize("launcher, procs, script, params", [
+    ("smddprun", 2, "seed002_auto_partition.py", {"partitions": 2, "microbatches": 4}),
+    ("torchrun", 2, "seed002_manual_partition.py",
+     {"partitions": 2, "microbatches": 2, "pipeline": "simple", "auto_partition": False, "default_partition": 0}),
+    ("smddprun", 4, "seed002_manual_partition.py",
+     {"partitions": 2, "microbatches": 4, "ddp": True, "auto_partition": False, "default_partition": 0}),
+    ("mpirun", 2, "seed002_auto_partition.py", {"partitions": 2, "microbatches": 4}),
+], ids=["auto-smddprun", "manual-torchrun", "manual-ddp-smddprun", "auto-mpirun"])
+def test_seed_002_scripts_run_under_each_launcher(launcher, procs, script, params, tmp_path):
+    proc = _launch(launcher, procs, script, params, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Ranks share the launcher's stdout, so lines can run together: match the records.
+    found = re.findall(r"rank (\d+) batch (\d+) loss (\S+?)(?=rank|\s|$)", proc.stdout)
+    assert len(found) == 2 * procs, proc.stdout
+    by_rank = {}
+    for rank, batch, loss in found:
+        assert float(loss) < 10, proc.stdout  # finite (nan compares false)
+        by_rank.setdefault(int(rank), {})[int(batch)] = float(loss)
+    # Every pipeline rank of a replica reports the same loss (each gets the StepOutputs).
+    for first in range(0, procs, 2):
+        assert by_rank[first] == by_rank[first + 1], by_rank

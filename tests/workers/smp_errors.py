@@ -1,0 +1,94 @@
+"""Misuse and failures of smdistributed.modelparallel.torch: each case prints what every
+rank saw. argv: case (misuse | bad_config | rank_dies)."""
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import smdistributed.modelparallel.torch as smp
+
+CASE = sys.argv[1]
+
+
+def expect(error_type, fragment, fn):
+    try:
+        fn()
+    except error_type as e:
+        assert fragment in str(e), f"expected {fragment!r} in: {e}"
+        return str(e)
+    raise AssertionError(f"no {error_type.__name__} ({fragment!r})")
+
+
+class Dies(nn.Module):
+    """Ends its process in the middle of a step's forward when asked to."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.armed = False
+
+    def forward(self, x):
+        if self.armed:
+            os._exit(3)
+        return self.fc(x)
+
+
+def misuse():
+    smp.init({"partitions": 2, "microbatches": 4, "auto_partition": False, "default_partition": 0})
+    with smp.partition(1):
+        head = nn.Linear(8, 2)
+    expect(ValueError, "must be an integer in 0..1", lambda: smp.partition(2).__enter__())
+    model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), head))
+    expect(RuntimeError, "already wrapped", lambda: smp.DistributedModel(nn.Linear(2, 2)))
+    x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
+    expect(RuntimeError, "outside an smp.step", lambda: model(x))
+    expect(RuntimeError, "outside an smp.step", lambda: model.backward(torch.ones(())))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    # A batch the microbatches do not divide: refused on every rank before any work starts.
+    expect(ValueError, "which 4 microbatches do not divide", lambda: train_step(model, x[:6], y[:6]))
+    loss = train_step(model, x, y).reduce_mean()
+    assert torch.isfinite(loss)
+    expect(RuntimeError, "outside an smp.step", lambda: model(x))
+    expect(RuntimeError, "already wrapped", lambda: smp.DistributedModel(nn.Linear(2, 2)))
+    print("MISUSE OK", flush=True)
+
+
+def bad_config():
+    msg = expect(smp.ConfigError, "unknown configuration key 'partitons'", lambda: smp.init({"partitons": 2}))
+    print("REFUSED:", msg, flush=True)
+
+
+def rank_dies():
+    smp.init({"partitions": 3, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+    with smp.partition(1):
+        dies = Dies()
+    with smp.partition(2):
+        head = nn.Linear(8, 2)
+    model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), dies, head))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
+    train_step(model, x, y)
+    dies.armed = smp.pp_rank() == 1
+    try:
+        train_step(model, x, y)
+    except smp.StepFailed as e:
+        print("STEP FAILED:", str(e).splitlines()[0], flush=True)
+        os._exit(0)
+    print("NO ERROR", flush=True)
+
+
+{"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies}[CASE]()

@@ -4,9 +4,11 @@ These need two GPUs and a CUDA build of torch, and skip cleanly anywhere else (C
 GPU). They run the same workers as the CPU tests with SMDDP_TEST_DEVICE=cuda, so every
 check the CPU path passes is checked on the GPU too, and compare with torch's NCCL backend.
 """
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -171,3 +173,27 @@ def test_cuda_hugging_face_trainer_with_sagemaker_switch(tmp_path):
     proc = _launch("hf_trainer_smddp.py", env={"HF_OUT": str(tmp_path)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("HF TRAINER OK") == WORLD, proc.stdout + proc.stderr
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("model, mode, pipeline", [("skip", "manual", "interleaved"), ("seq", "auto", "simple"),
+                                                   ("skip", "auto", "simple"), ("seq", "manual", "interleaved")])
+def test_cuda_modelparallel_pipeline_trains_like_one_gpu(model, mode, pipeline):
+    """pp=2 over 2 GPUs: activations and gradients cross through NCCL."""
+    results = run_world(WORLD, "smp_pipeline.py", [model, mode, pipeline, "2", "4", "5"], gpus=True, timeout=300)
+    assert_all_ok(results)
+    for r in results:
+        report = json.loads(r.stdout.strip().splitlines()[-1])
+        assert report["param_rel_err"] < 1e-5 and report["loss_rel_err"] < 1e-5, report
+
+
+@needs_two_gpus
+def test_cuda_modelparallel_seed_002_script(tmp_path):
+    examples = Path(__file__).resolve().parent.parent / "examples" / "modelparallel"
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=str(examples),
+               SM_HP_MP_PARAMETERS=json.dumps({"partitions": 2, "microbatches": 4}))
+    cmd = [sys.executable, "-m", "smdistributed.common.launcher", "-np", "2", "--", sys.executable,
+           str(examples / "seed002_auto_partition.py")]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count(" loss ") == 4, proc.stdout

@@ -17,6 +17,7 @@ import smdistributed.modelparallel.torch as smp
 MODEL, MODE, PIPELINE = sys.argv[1], sys.argv[2], sys.argv[3]
 PARTS, MBS, STEPS = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 BATCH, WIDTH = 24, 16
+DEVICE = os.environ.get("SMDDP_TEST_DEVICE", "cpu")
 
 
 class Block(nn.Module):
@@ -85,10 +86,14 @@ def main():
     if MODE == "manual":
         cfg["default_partition"] = 0
     smp.init(cfg)
-    data = batches(smp.dp_rank(), smp.dp_size())
+    dev = torch.device("cpu")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(smp.local_rank())
+        dev = torch.device("cuda")
+    data = [(x.to(dev), y.to(dev)) for x, y in batches(smp.dp_rank(), smp.dp_size())]
 
     # The reference: one process, the whole batch of every replica, plain autograd.
-    ref = build()
+    ref = build().to(dev)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     ref_losses = []
     for x, y in data:
@@ -123,7 +128,7 @@ def main():
         losses.append(loss.item())
 
     full = model.state_dict()
-    ref_sd = ref.state_dict()
+    ref_sd = {k: v.cpu() for k, v in ref.state_dict().items()}
     worst = max(((full[k] - ref_sd[k]).abs().max() / (ref_sd[k].abs().max() + 1e-12)).item() for k in ref_sd)
     loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
     local = sorted(n for n, _ in model.local_named_parameters())

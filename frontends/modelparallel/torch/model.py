@@ -329,8 +329,9 @@ class DistributedModel(nn.Module):
     # -- a step ------------------------------------------------------------------------------------
     def _run_step(self, fn, microbatches, grad_enabled: bool, autocast) -> List[Any]:
         rt = self._runtime
-        results = rt.run_step(fn, microbatches, self.average_grads_across_microbatches, grad_enabled, autocast)
         cfg, topo = state.cfg, state.topo
+        results = rt.run_step(fn, microbatches, self.average_grads_across_microbatches, grad_enabled, autocast,
+                              cfg.pipeline, cfg.active_microbatches)
         if rt.backward_seen and cfg.ddp and topo.dp_size > 1:
             self._steps_with_backward += 1
             if self._steps_with_backward % self.backward_passes_per_step == 0:

@@ -106,10 +106,11 @@ class PipelineRuntime:
         return self._error
 
     def run_step(self, fn: Callable, microbatches: List[Tuple[tuple, dict]], average: bool,
-                 grad_enabled: bool, autocast: Dict[str, Any]) -> List[Any]:
+                 grad_enabled: bool, autocast: Dict[str, Any], pipeline: str, active: int) -> List[Any]:
         if self._broken is not None:
             raise StepFailed(f"smp.step: an earlier step failed ({self._broken}); the pipeline cannot continue")
         self._reset()
+        self.pipeline, self.active = pipeline, active
         self.num_microbatches = len(microbatches)
         self.grad_scale = 1.0 / len(microbatches) if average else 1.0
         self._autocast = autocast
@@ -217,7 +218,7 @@ class PipelineRuntime:
         task.model_calls += 1
         if self.pp_rank == self.root_owner:
             out = self.root(*args, **kwargs)
-            self._send_all(Message("out", {"mb": task.mb, "k": k}, out))
+            self._without_token(lambda: self._send_all(Message("out", {"mb": task.mb, "k": k}, out)))
             return out
         return self._wait(("out", task.mb, k), f"the model output of microbatch {task.mb}")
 
@@ -280,7 +281,7 @@ class PipelineRuntime:
         msg = Message("fwd", {"id": call_id, "mb": task.mb, "path": path, "span": span,
                               "grad": torch.is_grad_enabled()}, (args, kwargs))
         waiter = self._expect(("fwd_done", call_id), f"the forward of {what} on partition {owner}")
-        sent = self.links.send(owner, msg)
+        sent = self._without_token(lambda: self.links.send(owner, msg))
         out, tensors, specs = self._wait_on(waiter)
         inputs = [t for t in sent if t.requires_grad]
         leaves = []
@@ -294,7 +295,7 @@ class PipelineRuntime:
 
     def _request(self, owner: int, msg: Message, key, what: str):
         waiter = self._expect(key, what + f" on partition {owner}")
-        self.links.send(owner, msg)
+        self._without_token(lambda: self.links.send(owner, msg))
         body, _, _ = self._wait_on(waiter)
         return body
 
@@ -310,6 +311,15 @@ class PipelineRuntime:
     def _wait(self, key, what: str):
         body, _, _ = self._wait_on(self._expect(key, what))
         return body
+
+    def _without_token(self, fn):
+        """Sends can wait on the network: other work of this rank runs meanwhile."""
+        task = current_task()
+        self._token.release()
+        try:
+            return fn()
+        finally:
+            self._token.acquire(self._prio(task))
 
     def _wait_on(self, waiter: Waiter):
         task = current_task()

@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
-from .wire import Links, Message, encode
+from .wire import Links, Message, encode, take
+from .workers import TaskHandle, WorkerPool
 
 
 class StepFailed(RuntimeError):
@@ -84,6 +85,7 @@ class PipelineRuntime:
         self.root_owner = 0
         self.root: Optional[torch.nn.Module] = None
         self._broken: Optional[str] = None
+        self._pool = WorkerPool(device)
         self._reset()
 
     # -- step --------------------------------------------------------------------------------
@@ -95,7 +97,7 @@ class PipelineRuntime:
         self._waiters: Dict[Any, Waiter] = {}
         self._frames: Dict[Tuple[int, int], ServedFrame] = {}
         self._ids = itertools.count()
-        self._threads: List[threading.Thread] = []
+        self._threads: List[TaskHandle] = []
         self._flow = threading.Condition()
         self._started = 0
         self._finished = 0
@@ -148,23 +150,14 @@ class PipelineRuntime:
     def _peer_index(self, p: int) -> int:
         return p if p < self.pp_rank else p - 1
 
-    def _join(self, t: threading.Thread) -> None:
-        while t.is_alive():
-            t.join(0.5)
+    def _join(self, t: TaskHandle) -> None:
+        t.join()
 
-    def _spawn(self, target, *args, name: str) -> threading.Thread:
-        device = self.device
-
-        def run():
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            target(*args)
-
-        t = threading.Thread(target=run, name=name, daemon=True)
+    def _spawn(self, target, *args, name: str) -> TaskHandle:
+        handle = self._pool.submit(target, *args)
         with self._lock:
-            self._threads.append(t)
-        t.start()
-        return t
+            self._threads.append(handle)
+        return handle
 
     def _run_microbatch(self, fn, mb, args, kwargs, results, grad_enabled) -> None:
         _local.task = task = Task(mb, FORWARD)
@@ -325,15 +318,17 @@ class PipelineRuntime:
         task = current_task()
         self._token.release()
         try:
-            return waiter.wait(self.aborted)
+            body, tensors, specs, ready = waiter.wait(self.aborted)
         finally:
             self._token.acquire(self._prio(task))
+        take(tensors, ready)
+        return body, tensors, specs
 
     # -- serving peers --------------------------------------------------------------------------
     def _receive_loop(self, src: int) -> None:
         while True:
             try:
-                msg, tensors, specs = self.links.receive(src)
+                msg, tensors, specs, ready = self.links.receive(src)
             except BaseException as e:
                 if "made no progress" in str(e) and self._error is None:
                     continue  # a quiet link (this peer had nothing to say yet), not a fault
@@ -342,10 +337,10 @@ class PipelineRuntime:
                         f"the link from pipeline rank {src} (global rank {self.global_ranks[src]}) failed", e)))
                 return
             if msg.kind in ("fwd", "bwd"):
-                self._spawn(self._serve, src, msg, tensors, specs, name=f"smp-serve-{msg.kind}")
+                self._spawn(self._serve, src, msg, tensors, specs, ready, name=f"smp-serve-{msg.kind}")
             elif msg.kind in ("fwd_done", "bwd_done", "out"):
                 key = (msg.kind, msg.fields["mb"], msg.fields["k"]) if msg.kind == "out" else (msg.kind, msg.fields["id"])
-                self._deliver(key, (msg.body, tensors, specs))
+                self._deliver(key, (msg.body, tensors, specs, ready))
             elif msg.kind == "end":
                 return
             elif msg.kind == "abort":
@@ -359,10 +354,11 @@ class PipelineRuntime:
                 w = self._waiters[key] = Waiter(str(key))
         w.set(value)
 
-    def _serve(self, src: int, msg: Message, tensors, specs) -> None:
+    def _serve(self, src: int, msg: Message, tensors, specs, ready) -> None:
         f = msg.fields
         _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD)
         try:
+            take(tensors, ready)
             with self._autocast_context():
                 self._token.acquire(self._prio(task))
                 try:

@@ -99,6 +99,11 @@ class Links:
         self._cuda_groups = cuda_groups  # (src pp rank, dst pp rank) -> one-way group
         self._device = device
         self._locks = {p: threading.Lock() for p in range(len(pp_ranks)) if p != me}
+        # CUDA receives run on a stream of their own per peer: on the shared default stream an
+        # NCCL receive would first wait for all compute queued before it, and the sender's
+        # stream, waiting for the receive, would stall behind this rank's work (no pipelining).
+        self._recv_streams = ({p: torch.cuda.Stream(device) for p in self._locks}
+                              if device.type == "cuda" else {})
 
     def send(self, dst: int, msg: Message) -> List[torch.Tensor]:
         """Sends `msg` to pipeline rank `dst`; returns the tensors it carried (the caller's)."""
@@ -119,18 +124,25 @@ class Links:
             if len(meta) > inline:
                 rest = torch.frombuffer(bytearray(meta[inline:]), dtype=torch.uint8)
                 works.append(dist.isend(rest, peer, group=self._group, tag=TAG_META))
+            launched = []
             for t in tensors:
                 data = t.detach().contiguous()
                 held.append(data)
                 if data.is_cuda:
-                    works.append(dist.isend(data, peer, group=self._cuda_group(self._me, dst)))
+                    launched.append(dist.isend(data, peer, group=self._cuda_group(self._me, dst)))
                 else:
                     works.append(dist.isend(data, peer, group=self._group, tag=TAG_PAYLOAD))
             for w in works:
                 w.wait()
+            # A CUDA send is launched (is_completed flushes held-back point-to-point work) but
+            # not waited on: the sender's stream goes on computing while NCCL reads the data;
+            # the allocator keeps the memory until the send is done (record_stream).
+            for w in launched:
+                w.is_completed()
 
-    def receive(self, src: int) -> Tuple[Message, List[torch.Tensor], List[TensorSpec]]:
-        """The next message from pipeline rank `src` (only its receiver thread calls this)."""
+    def receive(self, src: int) -> Tuple[Message, List[torch.Tensor], List[TensorSpec], Optional[Any]]:
+        """The next message from pipeline rank `src` (only its receiver thread calls this), and
+        a CUDA event that the consumer's stream must wait for before it uses the tensors."""
         peer = self._ranks[src]
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         dist.recv(header, peer, group=self._group, tag=TAG_HEADER)
@@ -145,15 +157,21 @@ class Links:
             meta += rest.numpy().tobytes()
         specs, body = pickle.loads(meta)
         tensors = []
+        ready = None
         for s in specs:
             if s.on_cuda:
-                t = torch.empty(s.shape, dtype=s.dtype, device=self._device)
-                dist.recv(t, peer, group=self._cuda_group(src, self._me))
+                stream = self._recv_streams[src]
+                with torch.cuda.stream(stream):
+                    t = torch.empty(s.shape, dtype=s.dtype, device=self._device)
+                    dist.recv(t, peer, group=self._cuda_group(src, self._me))
+                ready = torch.cuda.Event()
+                ready.record(stream)
             else:
                 t = torch.empty(s.shape, dtype=s.dtype)
                 dist.recv(t, peer, group=self._group, tag=TAG_PAYLOAD)
             tensors.append(t)
-        return decode(body, tensors), tensors, specs
+        return decode(body, tensors), tensors, specs, ready
+
 
     def _cuda_group(self, src: int, dst: int):
         group = self._cuda_groups.get((src, dst))
@@ -161,3 +179,14 @@ class Links:
             raise RuntimeError("smp: a CUDA tensor crosses a partition boundary but CUDA links were not "
                                "made at smp.init (was CUDA unavailable then?)")
         return group
+
+
+def take(tensors: List[torch.Tensor], ready) -> None:
+    """Makes received CUDA tensors safe to use on the calling thread's current stream."""
+    if ready is None:
+        return
+    stream = torch.cuda.current_stream()
+    stream.wait_event(ready)
+    for t in tensors:
+        if t.is_cuda:
+            t.record_stream(stream)

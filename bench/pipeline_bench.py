@@ -26,6 +26,7 @@ p.add_argument("--micro", default="4,8,16")
 p.add_argument("--steps", type=int, default=10)
 p.add_argument("--warmup", type=int, default=3)
 p.add_argument("--only", default="single,torch,smp")
+p.add_argument("--pipelines", default="simple,interleaved")
 args = p.parse_args()
 D, H, F, L, B, S = (256, 8, 1024, 8, 32, 64) if args.small else (1024, 16, 4096, 16, 64, 256)
 DTYPE = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -151,7 +152,7 @@ def main():
             return loss
 
         base = smp._state.cfg
-        for pipeline in ("simple", "interleaved"):
+        for pipeline in args.pipelines.split(","):
             for m in micro:
                 smp._state.cfg = dataclasses.replace(base, microbatches=m, pipeline=pipeline)
                 peak_reset()

@@ -35,3 +35,12 @@ def format_config_table(width: int = 100) -> str:
         for chunk in textwrap.wrap(meaning, width - 6):
             lines.append("      " + chunk)
     return "\n".join(lines)
+
+
+def value(name: str) -> str:
+    """The environment's value of a table variable, or the table's default. Names outside the
+    table are refused, so every knob a package reads is listed (and shown by smddprun --help)."""
+    import os
+
+    fallback = default(name)
+    return os.environ.get(name, fallback)

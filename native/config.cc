@@ -42,7 +42,8 @@ const std::vector<ConfigVar>& config_table() {
        "steal the core from the training computation)"},
       {"SMDDP_TIMELINE", "",
        "path prefix: each rank writes PREFIX.rank<N>.json, a Chrome trace of negotiation, "
-       "queueing, copies and transfers per tensor (open in Perfetto or chrome://tracing)"},
+       "queueing, copies and transfers per tensor (open in Perfetto or chrome://tracing); smp "
+       "pipelines also write PREFIX.smp.rank<N>.json (compute per microbatch, sends)"},
       {"SMDDP_LOG_LEVEL", "1", "0 errors, 1 warnings, 2 info, 3 debug"},
       {"SMDDP_STALL_WARNING", "30",
        "seconds after which a tensor some ranks submitted and others did not is logged with "

@@ -222,3 +222,11 @@ def test_seed_002_scripts_run_under_each_launcher(launcher, procs, script, param
     # Every pipeline rank of a replica reports the same loss (each gets the StepOutputs).
     for first in range(0, procs, 2):
         assert by_rank[first] == by_rank[first + 1], by_rank
+
+
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+def test_ranks_groups_object_helpers_and_model_api(placement):
+    results = run_world(4, "smp_api.py", [placement], timeout=120)
+    assert_all_ok(results)
+    assert all("API OK" in r.stdout for r in results)
+    assert "partition 0:" in results[0].stdout  # rank 0 logs the partition it chose

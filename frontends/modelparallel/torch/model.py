@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -17,8 +16,6 @@ from .runtime import PipelineRuntime
 from .state import device as local_device, state
 from .trace import Tracer
 from .wire import Links
-
-log = logging.getLogger("smdistributed.modelparallel")
 
 
 def _to(obj, dev):
@@ -210,7 +207,7 @@ class DistributedModel(nn.Module):
         self._install(assignment)
         self._partitioned = True
         if topo.rank == 0 and parts > 1:
-            log.info(describe(self.module, assignment, parts))
+            print(describe(self.module, assignment, parts), flush=True)  # as the original logs it
         dev = local_device()
         for m in self.local_modules():
             for p in m.parameters(recurse=False):

@@ -169,8 +169,11 @@ def describe(root: nn.Module, assignment: Dict[str, int], parts: int) -> str:
     for k in range(parts):
         params = sum(p.numel() for path, m in root.named_modules() if assignment.get(path) == k
                      for p in m.parameters(recurse=False))
+        def parent(path):
+            return path.rsplit(".", 1)[0] if "." in path else ""
+
         tops = [path for path, _ in root.named_modules()
-                if path and assignment.get(path) == k and assignment.get(path.rsplit(".", 1)[0] if "." in path else "") != k]
+                if path and assignment.get(path) == k and (parent(path) == "" or assignment.get(parent(path)) != k)]
         lines.append(f"  partition {k}: {params:,} parameters; " + (", ".join(tops[:12]) or "(root only)")
                      + (" ..." if len(tops) > 12 else ""))
     return "\n".join(lines)

@@ -31,6 +31,7 @@ import torch
 
 from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
 from .wire import Links, Message, encode, take
+from .timeline import Timeline
 from .workers import TaskHandle, WorkerPool
 
 
@@ -52,6 +53,7 @@ class Task:
     """One thread's work: a microbatch's step function, or a call served for a peer."""
     mb: int
     phase: str
+    kind: str = "step"  # "step": the user's step function; "serve": a call for a peer
     calls: List[RemoteCall] = field(default_factory=list)
     model_calls: int = 0
     reached_backward: bool = False
@@ -86,6 +88,9 @@ class PipelineRuntime:
         self.root: Optional[torch.nn.Module] = None
         self._broken: Optional[str] = None
         self._pool = WorkerPool(device)
+        self.timeline = Timeline(global_ranks[pp_rank])
+        if self.timeline.enabled:
+            links.timeline = self.timeline
         self._reset()
 
     # -- step --------------------------------------------------------------------------------
@@ -93,7 +98,7 @@ class PipelineRuntime:
         self._lock = threading.Lock()
         self._error: Optional[BaseException] = None
         self._abort_sent = False
-        self._token = ComputeToken(self.aborted)
+        self._token = ComputeToken(self.aborted, self.timeline if self.timeline.enabled else None)
         self._waiters: Dict[Any, Waiter] = {}
         self._frames: Dict[Tuple[int, int], ServedFrame] = {}
         self._ids = itertools.count()
@@ -145,6 +150,7 @@ class PipelineRuntime:
                 raise self._error
             raise StepFailed(str(self._error)) from self._error
         self._frames.clear()
+        self.timeline.flush()
         return results
 
     def _peer_index(self, p: int) -> int:
@@ -165,7 +171,7 @@ class PipelineRuntime:
             if self.pp_rank == self.root_owner:
                 self._admit(mb)
             with torch.set_grad_enabled(grad_enabled), self._autocast_context():
-                self._token.acquire(self._prio(task))
+                self._token.acquire(self._prio(task), self._label(task))
                 try:
                     results[mb] = fn(*args, **kwargs)
                 finally:
@@ -189,6 +195,12 @@ class PipelineRuntime:
                     raise self._error
                 self._flow.wait(0.5)
             self._started += 1
+
+    @staticmethod
+    def _label(task: Optional[Task]) -> str:
+        if task is None:
+            return ""
+        return f"{task.kind} {task.phase} mb{task.mb}"
 
     def _prio(self, task: Task):
         return priority(self.pipeline, task.phase, task.mb)
@@ -237,7 +249,7 @@ class PipelineRuntime:
                             raise self._error
                         self._flow.wait(0.5)
         finally:
-            self._token.acquire(self._prio(task))
+            self._token.acquire(self._prio(task), self._label(task))
         seeds, seed_grads = [], []
         for t, g in zip(tensors, grads):
             if not isinstance(t, torch.Tensor) or not t.requires_grad:
@@ -312,7 +324,7 @@ class PipelineRuntime:
         try:
             return fn()
         finally:
-            self._token.acquire(self._prio(task))
+            self._token.acquire(self._prio(task), self._label(task))
 
     def _wait_on(self, waiter: Waiter):
         task = current_task()
@@ -320,7 +332,7 @@ class PipelineRuntime:
         try:
             body, tensors, specs, ready = waiter.wait(self.aborted)
         finally:
-            self._token.acquire(self._prio(task))
+            self._token.acquire(self._prio(task), self._label(task))
         take(tensors, ready)
         return body, tensors, specs
 
@@ -356,11 +368,11 @@ class PipelineRuntime:
 
     def _serve(self, src: int, msg: Message, tensors, specs, ready) -> None:
         f = msg.fields
-        _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD)
+        _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve")
         try:
             take(tensors, ready)
             with self._autocast_context():
-                self._token.acquire(self._prio(task))
+                self._token.acquire(self._prio(task), self._label(task))
                 try:
                     if msg.kind == "fwd":
                         meta, out = self._serve_forward(f, msg.body, tensors, specs, task)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from contextlib import contextmanager
 from typing import Callable, Optional, Tuple
 
@@ -28,14 +29,17 @@ def priority(pipeline: str, phase: str, mb: int) -> Tuple[int, int]:
 
 
 class ComputeToken:
-    def __init__(self, aborted: Callable[[], Optional[BaseException]]):
+    def __init__(self, aborted: Callable[[], Optional[BaseException]], timeline=None):
+        self._timeline = timeline
+        self._since = 0.0
+        self._label = ""
         self._cv = threading.Condition()
         self._holder: Optional[int] = None
         self._queue: list = []
         self._seq = itertools.count()
         self._aborted = aborted
 
-    def acquire(self, prio) -> None:
+    def acquire(self, prio, label: str = "") -> None:
         with self._cv:
             entry = (prio, next(self._seq))
             heapq.heappush(self._queue, entry)
@@ -51,11 +55,14 @@ class ComputeToken:
                 raise
             heapq.heappop(self._queue)
             self._holder = threading.get_ident()
+            self._since, self._label = time.perf_counter(), label
 
     def release(self) -> None:
         with self._cv:
             if self._holder == threading.get_ident():
                 self._holder = None
+                if self._timeline is not None:
+                    self._timeline.add(self._label, "compute", self._since, time.perf_counter())
                 self._cv.notify_all()
 
     def wake(self) -> None:

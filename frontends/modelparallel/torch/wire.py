@@ -99,6 +99,7 @@ class Links:
         self._cuda_groups = cuda_groups  # (src pp rank, dst pp rank) -> one-way group
         self._device = device
         self._locks = {p: threading.Lock() for p in range(len(pp_ranks)) if p != me}
+        self.timeline = None  # set by the runtime: sends and receives appear in its trace
         # CUDA receives run on a stream of their own per peer: on the shared default stream an
         # NCCL receive would first wait for all compute queued before it, and the sender's
         # stream, waiting for the receive, would stall behind this rank's work (no pipelining).
@@ -108,7 +109,11 @@ class Links:
     def send(self, dst: int, msg: Message) -> List[torch.Tensor]:
         """Sends `msg` to pipeline rank `dst`; returns the tensors it carried (the caller's)."""
         meta, tensors, _ = encode(msg)
-        self.send_encoded(dst, meta, tensors)
+        if self.timeline is not None:
+            with self.timeline.span(f"send {msg.kind} to {dst}", "send"):
+                self.send_encoded(dst, meta, tensors)
+        else:
+            self.send_encoded(dst, meta, tensors)
         return tensors
 
     def send_encoded(self, dst: int, meta: bytes, tensors: List[torch.Tensor]) -> None:

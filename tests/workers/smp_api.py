@@ -1,0 +1,118 @@
+"""The rest of the smp API on a real world: ranks and groups for each placement, the object
+helpers, and DistributedModel's partition-time methods (hooks, local_*, state_dict, cpu).
+argv: placement (cluster | spread). Prints "API OK" on success."""
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import smdistributed.modelparallel.torch as smp
+
+PLACEMENT = sys.argv[1]
+
+
+def check_ranks_and_groups():
+    size, rank = smp.size(), smp.rank()
+    pp, dp = smp.pp_size(), smp.dp_size()
+    assert (pp, dp) == (2, size // 2) and smp.mp_size() == pp and smp.rdp_size() == dp
+    assert (smp.tp_rank(), smp.tp_size()) == (0, 1)
+    mp_group, dp_group = smp.get_mp_group(), smp.get_dp_group()
+    if PLACEMENT == "cluster":
+        assert mp_group == [rank - rank % 2, rank - rank % 2 + 1], mp_group
+    else:
+        assert mp_group == [rank % dp, rank % dp + dp], mp_group
+    assert mp_group[smp.pp_rank()] == rank and dp_group[smp.dp_rank()] == rank
+    assert set(mp_group) & set(dp_group) == {rank}
+    # The process groups hold those ranks: an all_reduce over each sums their ranks.
+    for group, members in ((smp.get_mp_process_group(), mp_group), (smp.get_dp_process_group(), dp_group),
+                           (smp.get_world_process_group(), list(range(size)))):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        assert t.item() == sum(members), (t, members)
+    assert smp.is_initialized() and not smp.is_tracing()
+
+
+def check_object_helpers():
+    rank = smp.rank()
+    if rank == 0:
+        smp.broadcast({"from": 0, "list": [1, 2]}, smp.WORLD)
+    else:
+        assert smp.recv_from(0, smp.RankType.WORLD_RANK) == {"from": 0, "list": [1, 2]}
+    if smp.pp_rank() == 0:
+        smp.send(("to mp 1", rank), 1, smp.RankType.MP_RANK)
+    else:
+        assert smp.recv_from(0, smp.RankType.MP_RANK) == ("to mp 1", smp.get_mp_group()[0])
+    assert smp.allgather(rank, smp.MP_GROUP) == smp.get_mp_group()
+    assert smp.allgather(rank * 10, smp.DP_GROUP) == [r * 10 for r in smp.get_dp_group()]
+    assert smp.allgather("x", smp.WORLD) == ["x"] * smp.size()
+    smp.barrier()
+    smp.dp_barrier()
+    smp.mp_barrier()
+    try:
+        smp.send(1, 5, smp.RankType.MP_RANK)
+    except ValueError as e:
+        assert "MP_RANK 5 is out of range" in str(e)
+    else:
+        raise AssertionError("out-of-range rank accepted")
+
+
+def build():
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def check_model_api():
+    plain = build()
+    model = smp.DistributedModel(build())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert isinstance(opt, torch.optim.Optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # stays a torch Optimizer
+    calls = []
+    model.register_post_partition_hook(lambda m: calls.append(m.partitioned))
+    # A full state given before the partition is applied once the model is partitioned.
+    shifted = {k: v + 1.0 for k, v in plain.state_dict().items()}
+    model.load_state_dict(shifted)
+    assert not model.partitioned
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    train_step(model, x, y)
+    assert model.partitioned and calls == [True], calls
+    local = dict(model.local_named_parameters())
+    assert local and len(local) < len(list(model.parameters()))
+    assert all(p.grad is not None for p in local.values())
+    assert all(p.grad is None for n, p in model.module.named_parameters() if n not in local)
+    assert set(dict(model.local_named_buffers())) == set()
+    assert all(any(p is q for q in model.local_parameters()) for p in local.values())
+    partial = model.local_state_dict()
+    assert partial["_smp_is_partial"] is True and set(partial) - {"_smp_is_partial"} == set(local)
+    opt.step()
+    scheduler.step()
+    # The reference: the same start, one full-batch step.
+    plain.load_state_dict(shifted)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    F.cross_entropy(plain(x), y).backward()
+    ref_opt.step()
+    full = model.state_dict()
+    assert set(full) == set(plain.state_dict())
+    for k, v in plain.state_dict().items():
+        assert torch.allclose(full[k], v, rtol=1e-5, atol=1e-6), k
+    model.cpu()
+    for k, v in plain.state_dict().items():
+        assert torch.allclose(model.module.state_dict()[k], v, rtol=1e-5, atol=1e-6), k
+
+
+smp.init({"partitions": 2, "microbatches": 2, "ddp": True,
+          "placement_strategy": PLACEMENT})
+check_ranks_and_groups()
+check_object_helpers()
+check_model_api()
+print("API OK", flush=True)

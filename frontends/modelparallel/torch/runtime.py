@@ -203,7 +203,7 @@ class PipelineRuntime:
         return f"{task.kind} {task.phase} mb{task.mb}"
 
     def _prio(self, task: Task):
-        return priority(self.pipeline, task.phase, task.mb)
+        return priority(task.phase, task.mb)
 
     def _autocast_context(self):
         import contextlib

@@ -6,8 +6,17 @@ Only one of them computes at a time: it holds the compute token, and gives it ba
 it waits on a peer. The waiting task with the smallest priority gets the token next, so the
 order of work is decided by the schedule, not by thread timing:
 
-    "interleaved": backward before forward, then the oldest microbatch (1F1B-like)
-    "simple":      forward before backward, then the oldest microbatch (GPipe-like)
+    forward work before backward work, then the oldest microbatch.
+
+Forward first keeps the last stage busy: its backward of a microbatch can only start after
+the root has computed that microbatch's loss, so a backward-first order (tried first) left
+the last stage's next forward waiting behind every backward it had queued, and the step
+ended with the first stage idle (measured on 2 GPUs: 135 ms against 79 ms for GPipe order
+at 4 microbatches). What distinguishes the schedules is in the runtime: "simple" holds every
+backward until all forwards are done (GPipe); "interleaved" starts a microbatch's backward as
+soon as its loss is there and admits at most `active_microbatches` microbatches at once, so
+with more microbatches than that a stage alternates forward and backward (1F1B) and holds
+the activations of only that many.
 """
 from __future__ import annotations
 
@@ -22,9 +31,7 @@ FORWARD = "fwd"
 BACKWARD = "bwd"
 
 
-def priority(pipeline: str, phase: str, mb: int) -> Tuple[int, int]:
-    if pipeline == "interleaved":
-        return (0 if phase == BACKWARD else 1, mb)
+def priority(phase: str, mb: int) -> Tuple[int, int]:
     return (0 if phase == FORWARD else 1, mb)
 
 

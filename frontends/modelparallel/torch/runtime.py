@@ -117,6 +117,9 @@ class PipelineRuntime:
         if self._broken is not None:
             raise StepFailed(f"smp.step: an earlier step failed ({self._broken}); the pipeline cannot continue")
         self._reset()
+        # Enough workers for every task this step can have at once: microbatches, their
+        # served forward and backward calls, receivers.
+        self._pool.ensure(2 * len(microbatches) + 2 * self.pp_size + 2)
         self.pipeline, self.active = pipeline, active
         self.num_microbatches = len(microbatches)
         self.grad_scale = 1.0 / len(microbatches) if average else 1.0

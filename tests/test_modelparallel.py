@@ -161,6 +161,16 @@ def test_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):
         assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
 
 
+def test_a_rank_that_holds_no_parameters_still_steps():
+    """Manual partitioning without smp.partition contexts puts everything on partition 0: the
+    other rank owns nothing, serves nothing, and its optimizer steps nothing."""
+    results = run_world(2, "smp_pipeline.py", ["seq", "manual", "simple", "2", "2", "3"], timeout=120)
+    assert_all_ok(results)
+    reports = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    assert reports[1]["local"] == [] and reports[0]["local"]
+    assert all(r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5 for r in reports), reports
+
+
 def test_misuse_gets_clear_errors_and_the_pipeline_still_works():
     results = run_world(2, "smp_errors.py", ["misuse"], timeout=90)
     assert_all_ok(results)
@@ -230,3 +240,31 @@ def test_ranks_groups_object_helpers_and_model_api(placement):
     assert_all_ok(results)
     assert all("API OK" in r.stdout for r in results)
     assert "partition 0:" in results[0].stdout  # rank 0 logs the partition it chose
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_partial_and_full_checkpoints_resume_the_same_training(parts, tmp_path):
+    runs = {}
+    for phase in ("first", "resume_partial", "resume_full"):
+        results = run_world(parts, "smp_checkpoint.py", [str(tmp_path), phase, str(parts)], timeout=120)
+        assert_all_ok(results)
+        runs[phase] = json.loads(results[0].stdout.strip().splitlines()[-1])["losses"]
+        if phase == "first":
+            names = sorted(os.listdir(tmp_path))
+            assert [f"checkpoint.pt_{r}" for r in range(parts)] == [n for n in names if n.startswith("checkpoint")]
+            assert "full.pt" in names and not any(".tmp" in n for n in names)
+    assert runs["resume_partial"] == runs["first"] and runs["resume_full"] == runs["first"], runs
+    final = torch.load(tmp_path / "final_first.pt")
+    for phase in ("resume_partial", "resume_full"):
+        other = torch.load(tmp_path / f"final_{phase}.pt")
+        assert all(torch.equal(final[k], other[k]) for k in final), phase
+    # The full checkpoint loads into the plain module, keys and all.
+    plain = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 4))
+    plain.load_state_dict(torch.load(tmp_path / "full.pt", weights_only=False)["model_state_dict"])
+
+
+def test_a_missing_partial_file_is_named(tmp_path):
+    results = run_world(2, "smp_checkpoint.py", [str(tmp_path), "resume_partial", "2"], timeout=60)
+    for r in results:
+        assert r.returncode != 0 and "checkpoint.pt_" in r.stderr and "does not exist" in r.stderr, r.output

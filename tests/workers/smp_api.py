@@ -110,9 +110,33 @@ def check_model_api():
         assert torch.allclose(model.module.state_dict()[k], v, rtol=1e-5, atol=1e-6), k
 
 
+def check_called_step_form():
+    """@smp.step(non_split_inputs=..., input_split_axes=...): a weight that is not split and
+    an input whose batch axis is 1; StepOutputs for tensors in a dict, a list for the rest."""
+    model = smp._state.model
+
+    @smp.step(non_split_inputs=["weight"], input_split_axes={"xt": 1})
+    def eval_step(model, xt, weight):
+        assert xt.shape == (6, 4) and weight.shape == (3,)  # 8 samples / 2 microbatches, axis 1
+        out = model(xt.t())
+        return {"weighted": (out * weight).sum(1), "tag": "mb"}
+
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(5)
+        xt = torch.randn(6, 8, generator=g)
+        result = eval_step(model, xt, torch.tensor([1.0, 2.0, 3.0]))
+    assert isinstance(result["weighted"], smp.StepOutput) and result["tag"] == ["mb", "mb"]
+    assert result["weighted"].concat().shape == (8,)
+    plain = build()
+    plain.load_state_dict(model.state_dict())  # gathered: the same on every rank
+    expected = (plain(xt.t()) * torch.tensor([1.0, 2.0, 3.0])).sum(1)
+    assert torch.allclose(result["weighted"].concat(), expected, rtol=1e-5, atol=1e-6)
+
+
 smp.init({"partitions": 2, "microbatches": 2, "ddp": True,
           "placement_strategy": PLACEMENT})
 check_ranks_and_groups()
 check_object_helpers()
 check_model_api()
+check_called_step_form()
 print("API OK", flush=True)

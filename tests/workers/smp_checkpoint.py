@@ -1,0 +1,70 @@
+"""smp.save / smp.load round trips. argv: directory, phase, partitions.
+
+first:          4 steps; after step 2, dp_rank 0 saves a partial checkpoint (local state dicts)
+                and a full one (gathered state dicts); prints the losses of steps 3-4 and
+                saves the final full model state.
+resume_partial: a differently initialised model loads the partial checkpoint, runs steps 3-4.
+resume_full:    the same from the full checkpoint.
+The test compares the resumed runs' losses and final parameters with the first run's,
+bitwise, and loads the full checkpoint into the plain nn.Module.
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import smdistributed.modelparallel.torch as smp
+
+DIR, PHASE, PARTS = sys.argv[1], sys.argv[2], int(sys.argv[3])
+
+
+def build(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                         nn.Linear(32, 4))
+
+
+def main():
+    smp.init({"partitions": PARTS, "microbatches": 2, "pipeline": "simple"})
+    model = smp.DistributedModel(build(1 if PHASE == "first" else 2))
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    ckpt, full = os.path.join(DIR, "checkpoint.pt"), os.path.join(DIR, "full.pt")
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(11)
+    batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(4)]
+    first = 0
+    if PHASE != "first":
+        partial = PHASE == "resume_partial"
+        state = smp.load(ckpt if partial else full, partial=partial)
+        model.load_state_dict(state["model_state_dict"])
+        opt.load_state_dict(state["optimizer_state_dict"])
+        first = 2
+    losses = []
+    for i in range(first, 4):
+        opt.zero_grad()
+        loss = train_step(model, *batches[i]).reduce_mean()
+        opt.step()
+        losses.append(loss.item())
+        if PHASE == "first" and i == 1 and smp.dp_rank() == 0:
+            smp.save({"model_state_dict": model.local_state_dict(), "optimizer_state_dict": opt.local_state_dict()},
+                     ckpt, partial=True)
+            smp.save({"model_state_dict": model.state_dict(), "optimizer_state_dict": opt.state_dict()},
+                     full, partial=False)
+    if PHASE == "first":
+        losses = losses[2:]
+    final = model.state_dict()
+    if smp.pp_rank() == 0:
+        torch.save(final, os.path.join(DIR, f"final_{PHASE}.pt"))
+    print(json.dumps({"rank": smp.rank(), "losses": losses}), flush=True)
+
+
+main()

@@ -268,3 +268,53 @@ def test_a_missing_partial_file_is_named(tmp_path):
     results = run_world(2, "smp_checkpoint.py", [str(tmp_path), "resume_partial", "2"], timeout=60)
     for r in results:
         assert r.returncode != 0 and "checkpoint.pt_" in r.stderr and "does not exist" in r.stderr, r.output
+
+
+@pytest.mark.parametrize("model", ["skip", "seq"])
+def test_activation_checkpointing_trains_like_one_process(model):
+    results = run_world(2, "smp_pipeline.py", [model, "manual" if model == "skip" else "auto", "interleaved", "2",
+                                               "4", "3"], env={"SMP_TEST_CHECKPOINTING": "1"}, timeout=120)
+    assert_all_ok(results)
+    for r in results:
+        report = json.loads(r.stdout.strip().splitlines()[-1])
+        assert report["param_rel_err"] < 1e-5 and report["loss_rel_err"] < 1e-5, report
+
+
+@pytest.mark.parametrize("procs", [2, 4], ids=["pp2", "pp2xdp2"])
+def test_grad_scaler_skips_the_same_steps_on_every_rank(procs):
+    results = run_world(procs, "smp_amp.py", timeout=120)
+    assert_all_ok(results)
+    assert all("AMP OK" in r.stdout for r in results)
+
+
+def test_checkpointed_module_recomputes_in_backward_and_saves_less():
+    from smdistributed.modelparallel.torch.activation_checkpointing import (checkpoint_sequential, checkpointed,
+                                                                            set_activation_checkpointing)
+
+    torch.manual_seed(0)
+    block = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(6)])
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def run(marked):
+        calls = []
+        hook = block[0].register_forward_hook(lambda *a: calls.append(1))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            if marked:
+                set_activation_checkpointing(block, strategy="contiguous")
+            out = checkpointed(block, block.forward, (x,), {})
+        object.__setattr__(block, "_smp_checkpoint", None)
+        out.sum().backward()
+        hook.remove()
+        grads = [p.grad.clone() for p in block.parameters()] + [x.grad.clone()]
+        block.zero_grad()
+        x.grad = None
+        return grads, len(calls), sum(saved)
+
+    plain, plain_calls, plain_saved = run(False)
+    ckpt, ckpt_calls, ckpt_saved = run(True)
+    assert plain_calls == 1 and ckpt_calls == 2  # the forward ran again in backward
+    assert ckpt_saved < plain_saved / 4, (ckpt_saved, plain_saved)
+    assert all(torch.allclose(a, b) for a, b in zip(plain, ckpt))
+    out = checkpoint_sequential(block, x, strategy="group_2")
+    assert torch.allclose(out, block(x))

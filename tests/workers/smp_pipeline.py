@@ -104,6 +104,13 @@ def main():
         ref_losses.append(loss.item())
 
     model = smp.DistributedModel(build())
+    if os.environ.get("SMP_TEST_CHECKPOINTING"):
+        # Recomputed in backward: a Sequential (each child), a module called twice, one layer.
+        if MODEL == "skip":
+            smp.set_activation_checkpointing(model.module.middle)
+            smp.set_activation_checkpointing(model.module.shared)
+        else:
+            smp.set_activation_checkpointing(model.module[2])
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 
     @smp.step

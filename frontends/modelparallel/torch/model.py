@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import grad_sync
+from .activation_checkpointing import checkpointed
 from .partition import auto_assignment, describe, manual_assignment
 from .runtime import PipelineRuntime
 from .state import device as local_device, state
@@ -289,15 +290,22 @@ class DistributedModel(nn.Module):
             owner = assignment[path]
             original = (self._sequential_forward(m, path, runtime) if isinstance(m, nn.Sequential)
                         else m.forward)
-            m.forward = self._dispatching_forward(runtime, path, owner, original, me)
+            spans = len({assignment.get(f"{path}.{q}" if path else q, owner) for q, _ in m.named_modules()}) > 1
+            m.forward = self._dispatching_forward(runtime, m, path, owner, original, me, spans)
         self._runtime = runtime
 
     @staticmethod
-    def _dispatching_forward(runtime: PipelineRuntime, path: str, owner: int, original, me: int):
+    def _dispatching_forward(runtime: PipelineRuntime, module: nn.Module, path: str, owner: int, original,
+                             me: int, spans_partitions: bool):
         def forward(*args, **kwargs):
-            if owner == me:
-                return original(*args, **kwargs)
-            return runtime.call_remote(owner, path, None, args, kwargs)
+            if owner != me:
+                return runtime.call_remote(owner, path, None, args, kwargs)
+            if getattr(module, "_smp_checkpoint", None) is not None:
+                if spans_partitions:
+                    raise RuntimeError(f"smp: module '{path or '<root>'}' is marked for activation checkpointing "
+                                       "but has submodules on other partitions; mark modules within one partition")
+                return checkpointed(module, original, args, kwargs)
+            return original(*args, **kwargs)
 
         return forward
 

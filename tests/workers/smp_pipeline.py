@@ -18,6 +18,7 @@ MODEL, MODE, PIPELINE = sys.argv[1], sys.argv[2], sys.argv[3]
 PARTS, MBS, STEPS = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 BATCH, WIDTH = 24, 16
 DEVICE = os.environ.get("SMDDP_TEST_DEVICE", "cpu")
+AUTOCAST = os.environ.get("SMP_TEST_AUTOCAST") == "1"  # bf16 autocast around the reference and the step
 
 
 class Block(nn.Module):
@@ -96,9 +97,11 @@ def main():
     ref = build().to(dev)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     ref_losses = []
+    autocast = lambda: torch.autocast(dev.type, dtype=torch.bfloat16, enabled=AUTOCAST)  # noqa: E731
     for x, y in data:
         ref_opt.zero_grad()
-        loss = loss_of(ref(x, scale=0.5) if MODEL == "skip" else ref(x), y)
+        with autocast():
+            loss = loss_of(ref(x, scale=0.5) if MODEL == "skip" else ref(x), y)
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.item())
@@ -116,6 +119,8 @@ def main():
     @smp.step
     def train_step(model, x, y):
         out = model(x, scale=0.5) if MODEL == "skip" else model(x)
+        logits = out["logits"] if isinstance(out, dict) else out
+        assert logits.dtype == (torch.bfloat16 if AUTOCAST else torch.float32), logits.dtype
         loss = loss_of(out, y)
         model.backward(loss)
         return loss
@@ -124,7 +129,8 @@ def main():
     for x, y in data:
         shard = slice(smp.dp_rank() * BATCH, (smp.dp_rank() + 1) * BATCH)
         opt.zero_grad()
-        loss_mb = train_step(model, x[shard], y[shard])
+        with autocast():
+            loss_mb = train_step(model, x[shard], y[shard])
         loss = loss_mb.reduce_mean()
         # The reference loss is over every replica's samples: average the replicas' losses.
         if smp.dp_size() > 1:

@@ -245,7 +245,7 @@ def test_ranks_groups_object_helpers_and_model_api(placement):
 @pytest.mark.parametrize("parts", [2, 3])
 def test_partial_and_full_checkpoints_resume_the_same_training(parts, tmp_path):
     runs = {}
-    for phase in ("first", "resume_partial", "resume_full"):
+    for phase in ("first", "resume_partial", "resume_full", "ckpt_partial", "ckpt_full"):
         results = run_world(parts, "smp_checkpoint.py", [str(tmp_path), phase, str(parts)], timeout=120)
         assert_all_ok(results)
         runs[phase] = json.loads(results[0].stdout.strip().splitlines()[-1])["losses"]
@@ -253,15 +253,26 @@ def test_partial_and_full_checkpoints_resume_the_same_training(parts, tmp_path):
             names = sorted(os.listdir(tmp_path))
             assert [f"checkpoint.pt_{r}" for r in range(parts)] == [n for n in names if n.startswith("checkpoint")]
             assert "full.pt" in names and not any(".tmp" in n for n in names)
-    assert runs["resume_partial"] == runs["first"] and runs["resume_full"] == runs["first"], runs
+    assert all(runs[p] == runs["first"] for p in runs), runs
+    ckpt = sorted(os.listdir(tmp_path / "ckpt"))
+    assert ckpt == ["full2", "newest", "optimizer_full2", "step2_partial", "step3_partial", "user_content_full2"], ckpt
+    assert (tmp_path / "ckpt" / "newest").read_text() == "step2"
     final = torch.load(tmp_path / "final_first.pt")
-    for phase in ("resume_partial", "resume_full"):
+    for phase in ("resume_partial", "resume_full", "ckpt_partial", "ckpt_full"):
         other = torch.load(tmp_path / f"final_{phase}.pt")
         assert all(torch.equal(final[k], other[k]) for k in final), phase
     # The full checkpoint loads into the plain module, keys and all.
     plain = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
                           nn.Linear(32, 4))
     plain.load_state_dict(torch.load(tmp_path / "full.pt", weights_only=False)["model_state_dict"])
+
+
+def test_a_partial_checkpoint_of_another_partition_count_is_refused(tmp_path):
+    assert_all_ok(run_world(2, "smp_checkpoint.py", [str(tmp_path), "first", "2"], timeout=120))
+    results = run_world(3, "smp_checkpoint.py", [str(tmp_path), "ckpt_wrong_parts", "3"], timeout=120)
+    assert_all_ok(results)
+    for r in results:
+        assert "holds a checkpoint of 2 partitions, but this run has 3" in r.stdout, r.output
 
 
 def test_a_missing_partial_file_is_named(tmp_path):

@@ -5,6 +5,9 @@ first:          4 steps; after step 2, dp_rank 0 saves a partial checkpoint (loc
                 saves the final full model state.
 resume_partial: a differently initialised model loads the partial checkpoint, runs steps 3-4.
 resume_full:    the same from the full checkpoint.
+ckpt_partial, ckpt_full: the same through smp.resume_from_checkpoint, from the folder that
+                smp.save_checkpoint wrote after step 2 (newest partial; a full one by tag).
+ckpt_wrong_parts: resume a partial checkpoint with another number of partitions (an error).
 The test compares the resumed runs' losses and final parameters with the first run's,
 bitwise, and loads the full checkpoint into the plain nn.Module.
 """
@@ -42,7 +45,20 @@ def main():
     g = torch.Generator().manual_seed(11)
     batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(4)]
     first = 0
-    if PHASE != "first":
+    folder = os.path.join(DIR, "ckpt")
+    if PHASE == "ckpt_wrong_parts":
+        try:
+            smp.resume_from_checkpoint(folder)
+        except RuntimeError as e:
+            print("REFUSED:", e, flush=True)
+            return
+        raise AssertionError("a checkpoint of another partition count was loaded")
+    if PHASE.startswith("ckpt_"):
+        full_ckpt = PHASE == "ckpt_full"
+        content = smp.resume_from_checkpoint(folder, tag="full2" if full_ckpt else None, partial=not full_ckpt)
+        assert content == {"step": 2}, content
+        first = 2
+    elif PHASE != "first":
         partial = PHASE == "resume_partial"
         state = smp.load(ckpt if partial else full, partial=partial)
         model.load_state_dict(state["model_state_dict"])
@@ -59,6 +75,13 @@ def main():
                      ckpt, partial=True)
             smp.save({"model_state_dict": model.state_dict(), "optimizer_state_dict": opt.state_dict()},
                      full, partial=False)
+        if PHASE == "first" and i == 1:  # every rank: the full save gathers
+            smp.save_checkpoint(folder, "full2", partial=False, model=model, optimizer=opt, user_content={"step": 2})
+            smp.save_checkpoint(folder, "step2", partial=True, model=model, optimizer=opt, user_content={"step": 2})
+            if smp.rank() == 0:  # a later save that crashed before it completed
+                os.makedirs(os.path.join(folder, "step3_partial"))
+                with open(os.path.join(folder, "step3_partial", "model_0.pt"), "wb") as f:
+                    f.write(b"truncat")
     if PHASE == "first":
         losses = losses[2:]
     final = model.state_dict()

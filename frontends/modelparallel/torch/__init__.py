@@ -21,7 +21,7 @@ from .comm import (CommGroup, RankType, allgather, barrier, broadcast, dp_barrie
                    pp_rank, pp_size, rank, rdp_rank, rdp_size, recv_from, send, size, tp_rank, tp_size)
 from . import amp  # noqa: F401 (smp.amp.GradScaler)
 from .activation_checkpointing import checkpoint, checkpoint_sequential, set_activation_checkpointing  # noqa: F401
-from .checkpoint import load, save  # noqa: F401
+from .checkpoint import load, resume_from_checkpoint, save, save_checkpoint  # noqa: F401
 from .config import ConfigError  # noqa: F401
 from .model import DistributedModel  # noqa: F401
 from .optimizer import DistributedOptimizer  # noqa: F401

@@ -11,7 +11,9 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import grad_sync
+from .comm import merge_over_pipeline
 from .activation_checkpointing import checkpointed
+from .optimizer import follow_parameters
 from .partition import auto_assignment, describe, manual_assignment
 from .runtime import PipelineRuntime
 from .state import device as local_device, state
@@ -157,12 +159,9 @@ class DistributedModel(nn.Module):
         pipeline rank (every rank of the pipeline group must call it)."""
         if not self._partitioned:
             return self.module.state_dict(*args, **kwargs)
-        local = {k: v.cpu() for k, v in self.local_state_dict().items() if k != "_smp_is_partial"}
-        parts: List[Any] = [None] * state.topo.pp_size
-        dist.all_gather_object(parts, local, group=state.pp_group)
+        local = {k: v for k, v in self.local_state_dict().items() if k != "_smp_is_partial"}
         full = self.module.state_dict()
-        for part in parts:
-            full.update(part)
+        full.update(merge_over_pipeline(local))
         return full
 
     def load_state_dict(self, state_dict, strict: bool = True):
@@ -172,11 +171,7 @@ class DistributedModel(nn.Module):
             if not self._partitioned:
                 self._pending_state = (sd, strict, True)
                 return None
-            parts: List[Any] = [None] * state.topo.pp_size
-            dist.all_gather_object(parts, {k: v.cpu() for k, v in sd.items()}, group=state.pp_group)
-            sd = {}
-            for part in parts:
-                sd.update(part)
+            sd = merge_over_pipeline(sd)
         if not self._partitioned:
             self._pending_state = (sd, strict, False)
             return None
@@ -216,6 +211,8 @@ class DistributedModel(nn.Module):
             for name, b in list(m._buffers.items()):
                 if b is not None:
                     m._buffers[name] = b.to(dev)
+        for opt in state.optimizers:
+            follow_parameters(opt)
         if cfg.ddp and topo.dp_size > 1:
             tensors = [p for p in self.local_parameters()]
             if self.broadcast_buffers:

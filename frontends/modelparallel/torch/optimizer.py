@@ -8,11 +8,11 @@ parameters (and nothing on a rank that holds none).
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
-import torch.distributed as dist
 
+from .comm import merge_over_pipeline
 from .state import state
 
 
@@ -40,12 +40,7 @@ def _state_dict(self) -> Dict[str, Any]:
     if state.model is None or not state.model.partitioned:
         return self._smp_plain_state_dict()
     local = self.local_state_dict()
-    parts: List[Any] = [None] * state.topo.pp_size
-    dist.all_gather_object(parts, {k: _cpu(v) for k, v in local["state"].items()}, group=state.pp_group)
-    merged = {}
-    for part in parts:
-        merged.update(part)
-    local["state"] = merged
+    local["state"] = merge_over_pipeline(local["state"])
     local.pop("_smp_is_partial")
     return local
 
@@ -53,21 +48,8 @@ def _state_dict(self) -> Dict[str, Any]:
 def _load_state_dict(self, sd: Dict[str, Any]) -> None:
     sd = dict(sd)
     if sd.pop("_smp_is_partial", False):
-        parts: List[Any] = [None] * state.topo.pp_size
-        dist.all_gather_object(parts, {k: _cpu(v) for k, v in sd["state"].items()}, group=state.pp_group)
-        merged = {}
-        for part in parts:
-            merged.update(part)
-        sd["state"] = merged
+        sd["state"] = merge_over_pipeline(sd["state"])
     self._smp_plain_load_state_dict(sd)
-
-
-def _cpu(v):
-    if isinstance(v, torch.Tensor):
-        return v.cpu()
-    if isinstance(v, dict):
-        return {k: _cpu(x) for k, x in v.items()}
-    return v
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, **_ignored) -> torch.optim.Optimizer:
@@ -82,4 +64,14 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, **_ignored) -> torch.
     optimizer.state_dict = types.MethodType(_state_dict, optimizer)
     optimizer.load_state_dict = types.MethodType(_load_state_dict, optimizer)
     optimizer._smp_wrapped = True
+    state.optimizers.append(optimizer)
     return optimizer
+
+
+def follow_parameters(optimizer: torch.optim.Optimizer) -> None:
+    """After partitioning: state loaded while every parameter was on the CPU moves to where
+    its parameter now lives (torch keeps a non-capturable 'step' on the CPU)."""
+    for p, st in optimizer.state.items():
+        for key, value in list(st.items()):
+            if isinstance(value, torch.Tensor) and key != "step" and value.device != p.device:
+                st[key] = value.to(p.device)

@@ -28,6 +28,7 @@ class _State:
         self.local_rank = 0
         self.local_size = 1
         self.model = None
+        self.optimizers = []  # DistributedOptimizers: their state follows parameters to the device
         self.tracing = False
 
     def require_init(self, what: str) -> None:

@@ -133,10 +133,37 @@ def check_called_step_form():
     assert torch.allclose(result["weighted"].concat(), expected, rtol=1e-5, atol=1e-6)
 
 
+def check_two_model_calls_in_one_step():
+    """The step function calls the model twice (two inputs) and backpropagates their sum."""
+    model = smp._state.model
+    plain = build()
+    plain.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(9)
+    a, b = torch.randn(8, 6, generator=g), torch.randn(8, 6, generator=g)
+
+    @smp.step
+    def twice(model, a, b):
+        loss = model(a).pow(2).mean() + model(b).tanh().mean()
+        model.backward(loss)
+        return loss
+
+    for p in model.parameters():
+        p.grad = None
+    loss = twice(model, a, b).reduce_mean()
+    ref = plain(a).pow(2).mean() + plain(b).tanh().mean()
+    ref.backward()
+    assert torch.allclose(loss, ref.detach(), rtol=1e-5), (loss, ref)
+    grads = dict(model.local_named_parameters())
+    for name, p in plain.named_parameters():
+        if name in grads:
+            assert torch.allclose(grads[name].grad, p.grad, rtol=1e-5, atol=1e-7), name
+
+
 smp.init({"partitions": 2, "microbatches": 2, "ddp": True,
           "placement_strategy": PLACEMENT})
 check_ranks_and_groups()
 check_object_helpers()
 check_model_api()
 check_called_step_form()
+check_two_model_calls_in_one_step()
 print("API OK", flush=True)

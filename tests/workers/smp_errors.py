@@ -58,6 +58,21 @@ def misuse():
     assert torch.isfinite(loss)
     expect(RuntimeError, "outside an smp.step", lambda: model(x))
     expect(RuntimeError, "already wrapped", lambda: smp.DistributedModel(nn.Linear(2, 2)))
+
+    # The user's step function raising on one rank, in one microbatch: every rank raises it.
+    @smp.step
+    def faulty_step(model, x, y):
+        out = model(x)
+        if smp.pp_rank() == 1 and x[0, 0].item() == x0:
+            raise ValueError("bad sample in the user's code")
+        loss = F.cross_entropy(out, y)
+        model.backward(loss)
+        return loss
+
+    x0 = x[4, 0].item()  # microbatch 2 (4 microbatches of 2 samples)
+    msg = expect(smp.StepFailed, "bad sample in the user's code", lambda: faulty_step(model, x, y))
+    assert "pipeline rank 1" in msg and "microbatch 2" in msg, msg
+    expect(smp.StepFailed, "an earlier step failed", lambda: train_step(model, x, y))
     print("MISUSE OK", flush=True)
 
 

@@ -341,3 +341,10 @@ def test_checkpointed_module_recomputes_in_backward_and_saves_less():
     assert all(torch.allclose(a, b) for a, b in zip(plain, ckpt))
     out = checkpoint_sequential(block, x, strategy="group_2")
     assert torch.allclose(out, block(x))
+
+
+def test_links_quiet_for_longer_than_the_timeout_are_not_failures():
+    results = run_world(3, "smp_errors.py", ["quiet_links"], env={"SMDDP_TIMEOUT": "2", "SMP_TEST_SLOW_S": "4"},
+                        timeout=120)
+    assert_all_ok(results)
+    assert all("QUIET OK" in r.stdout for r in results)

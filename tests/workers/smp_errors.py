@@ -2,6 +2,7 @@
 rank saw. argv: case (misuse | bad_config | rank_dies)."""
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -106,4 +107,36 @@ def rank_dies():
     print("NO ERROR", flush=True)
 
 
-{"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies}[CASE]()
+class Slow(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        time.sleep(float(os.environ["SMP_TEST_SLOW_S"]))
+        return self.fc(x)
+
+
+def quiet_links():
+    """Links that carry nothing for longer than SMDDP_TIMEOUT (a long forward on partition
+    0; partitions 1 and 2 only ever talk to 0) are quiet, not failed: the step completes."""
+    smp.init({"partitions": 3, "microbatches": 1, "auto_partition": False, "default_partition": 0})
+    slow = Slow()
+    with smp.partition(1):
+        middle = nn.Linear(8, 8)
+    with smp.partition(2):
+        head = nn.Linear(8, 2)
+    model = smp.DistributedModel(nn.Sequential(slow, middle, head))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    loss = train_step(model, torch.randn(4, 8), torch.randint(0, 2, (4,))).reduce_mean()
+    assert torch.isfinite(loss)
+    print("QUIET OK", flush=True)
+
+
+{"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "quiet_links": quiet_links}[CASE]()

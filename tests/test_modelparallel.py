@@ -348,3 +348,9 @@ def test_links_quiet_for_longer_than_the_timeout_are_not_failures():
                         timeout=120)
     assert_all_ok(results)
     assert all("QUIET OK" in r.stdout for r in results)
+
+
+def test_join_trains_replicas_with_uneven_inputs():
+    results = run_world(4, "smp_join.py", timeout=120)
+    assert_all_ok(results)
+    assert all("JOIN OK" in r.stdout for r in results)

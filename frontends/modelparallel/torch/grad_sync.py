@@ -10,7 +10,8 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 
 def broadcast_from_first(tensors: List[torch.Tensor], group, src: int) -> None:
-    """Overwrites `tensors` with the dp group's first rank's values (once, after partitioning)."""
+    """Overwrites `tensors` with global rank `src`'s values (the dp group's first rank once
+    after partitioning; the replica that trained longest after a join)."""
     for bucket in _buckets(tensors, 1 << 62):
         flat = _flatten_dense_tensors(bucket)
         dist.broadcast(flat, src, group=group)
@@ -26,6 +27,33 @@ def average_gradients(params: List[torch.nn.Parameter], group, dp_size: int, buc
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
+    average_in_place(grads, group, dp_size, bucket_bytes)
+
+
+# Uneven inputs (DistributedModel.join): before each gradient reduction every replica says
+# whether it still trains; one that has run out of batches answers 0 and takes part in that
+# reduction with zero gradients, until every replica has answered 0. The sum is divided by
+# the initial number of replicas, as torch DDP's join does by default. Joined replicas did not
+# apply the last updates, so at the end the parameters and buffers of a replica that trained
+# the most steps are broadcast to the others (as DDP's join does with the last joiner's model).
+def announce(group, training: bool) -> int:
+    flag = torch.tensor([1.0 if training else 0.0])
+    dist.all_reduce(flag, group=group)
+    return int(flag.item())
+
+
+def shadow_until_all_joined(params: List[torch.nn.Parameter], buffers: List[torch.Tensor], group, ranks: List[int],
+                            dp_size: int, bucket_bytes: int, steps: int) -> None:
+    while announce(group, training=False) > 0:
+        average_in_place([torch.zeros_like(p) for p in params], group, dp_size, bucket_bytes)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
+    dist.all_gather(counts, torch.tensor([steps], dtype=torch.int64), group=group)
+    counts = [int(c.item()) for c in counts]
+    source = ranks[counts.index(max(counts))]
+    broadcast_from_first([*params, *buffers], group, source)
+
+
+def average_in_place(grads: List[torch.Tensor], group, dp_size: int, bucket_bytes: int) -> None:
     pending = []
     for bucket in _buckets(grads, bucket_bytes):
         flat = _flatten_dense_tensors(bucket)

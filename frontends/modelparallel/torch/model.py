@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -68,6 +69,7 @@ class DistributedModel(nn.Module):
         self._pending_state: Optional[Tuple[Dict[str, Any], bool]] = None
         self._runtime: Optional[PipelineRuntime] = None
         self._steps_with_backward = 0
+        self._joining = False
         state.model = self
 
     # -- what users call ---------------------------------------------------------------------------
@@ -337,6 +339,30 @@ class DistributedModel(nn.Module):
         if rt.backward_seen and cfg.ddp and topo.dp_size > 1:
             self._steps_with_backward += 1
             if self._steps_with_backward % self.backward_passes_per_step == 0:
+                if self._joining:
+                    grad_sync.announce(state.dp_group, training=True)
                 grad_sync.average_gradients(list(self.local_parameters()), state.dp_group, topo.dp_size,
                                             self.bucket_bytes)
         return results
+
+    @contextmanager
+    def join(self):
+        """Training with uneven inputs across model replicas (ddp: true): a replica that runs
+        out of batches keeps taking part in the others' gradient reductions, with zeros, when
+        it leaves the context, until every replica has left it."""
+        cfg, topo = state.cfg, state.topo
+        if not cfg.ddp:
+            raise RuntimeError("smp: DistributedModel.join() is for data parallelism across replicas ('ddp': true)")
+        if topo.dp_size == 1:
+            yield
+            return
+        self._joining = True
+        try:
+            yield
+        except BaseException:
+            self._joining = False
+            raise  # this rank fails: the others learn it from the engine, not from a wrong join
+        self._joining = False
+        self._require_partitioned("join")
+        grad_sync.shadow_until_all_joined(list(self.local_parameters()), list(self.local_buffers()), state.dp_group,
+                                          topo.dp_group, topo.dp_size, self.bucket_bytes, self._steps_with_backward)

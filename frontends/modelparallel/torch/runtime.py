@@ -21,6 +21,7 @@ until the microbatch ends because a skip connection can be traversed by two segm
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import traceback
@@ -209,8 +210,6 @@ class PipelineRuntime:
         return priority(task.phase, task.mb)
 
     def _autocast_context(self):
-        import contextlib
-
         stack = contextlib.ExitStack()
         for device_type, dtype in self._autocast.items():
             stack.enter_context(torch.autocast(device_type, dtype=dtype))

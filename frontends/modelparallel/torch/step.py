@@ -60,8 +60,9 @@ def _split(value: Any, m: int, axis: int, where: str) -> List[Any]:
 
 
 def split_arguments(fn: Callable, args, kwargs, m: int, non_split: List[str], axes: Dict[str, int]):
-    bound = inspect.signature(fn).bind(*args, **kwargs)
-    unknown = [n for n in [*non_split, *axes] if n not in inspect.signature(fn).parameters]
+    signature = inspect.signature(fn)
+    bound = signature.bind(*args, **kwargs)
+    unknown = [n for n in [*non_split, *axes] if n not in signature.parameters]
     if unknown:
         raise ValueError(f"smp.step: non_split_inputs/input_split_axes name {unknown}, which are not "
                          f"parameters of {fn.__name__}")

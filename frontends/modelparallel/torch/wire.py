@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import pickle
 import threading
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -109,10 +110,7 @@ class Links:
     def send(self, dst: int, msg: Message) -> List[torch.Tensor]:
         """Sends `msg` to pipeline rank `dst`; returns the tensors it carried (the caller's)."""
         meta, tensors, _ = encode(msg)
-        if self.timeline is not None:
-            with self.timeline.span(f"send {msg.kind} to {dst}", "send"):
-                self.send_encoded(dst, meta, tensors)
-        else:
+        with self.timeline.span(f"send {msg.kind} to {dst}", "send") if self.timeline else nullcontext():
             self.send_encoded(dst, meta, tensors)
         return tensors
 

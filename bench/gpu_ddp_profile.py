@@ -2,7 +2,7 @@
 
     smddprun -np 2 python bench/gpu_ddp_profile.py
 
-For one GPU without DDP, torch DDP over NCCL and this library's DDP (fp32 and bf16 on the
+For one GPU without DDP, torch DDP over NCCL and over smddp, and this library's DDP (fp32 and bf16 on the
 wire), rank 0 prints the wall time per step, the host time of backward, and GPU kernel time
 per step by kind (NCCL, matrix multiplications, the rest), then the top kernels.
 """
@@ -83,6 +83,9 @@ def main():
     profile_variant("one GPU", m, m.parameters(), x, rank)
     for name, wrap in [
         ("torch DDP, nccl", lambda m: TorchDDP(m, device_ids=[dev.index], process_group=nccl)),
+        ("torch DDP, smddp", lambda m: TorchDDP(m, device_ids=[dev.index])),
+        ("torch DDP, nccl, bucket view", lambda m: TorchDDP(m, device_ids=[dev.index], process_group=nccl,
+                                                            gradient_as_bucket_view=True)),
         ("smdistributed DDP fp32", lambda m: SmddpDDP(m)),
         ("smdistributed DDP bf16", lambda m: SmddpDDP(m, reduce_dtype=torch.bfloat16)),
     ]:

@@ -354,3 +354,17 @@ def test_join_trains_replicas_with_uneven_inputs():
     results = run_world(4, "smp_join.py", timeout=120)
     assert_all_ok(results)
     assert all("JOIN OK" in r.stdout for r in results)
+
+
+@pytest.mark.parametrize("mode", ["bpps2", "hook"])
+def test_ddp_options_train_like_one_process(mode):
+    """backward_passes_per_step, register_comm_hook and overlapping_allreduce on pp=2 x dp=2.
+    With overlap on, the last stage's reduction starts before its step ends (its backward is
+    done while the first stage still runs the last microbatch's)."""
+    results = run_world(4, "smp_ddp.py", [mode], timeout=120)
+    assert_all_ok(results)
+    lines = [re.search(r"DDP OK .*", r.stdout).group(0) for r in results]
+    if mode == "hook":
+        assert all("overlapped=True" in line for line in lines if "pp_rank=1" in line), lines
+    else:
+        assert all("overlapped=False" in line for line in lines), lines

@@ -1,8 +1,10 @@
 """Data parallelism across model replicas (ddp: true): each partition's parameters start equal
-on its data-parallel group, and its gradients are averaged over that group after each step."""
+on its data-parallel group, and its gradients are averaged over that group after each step
+(started as soon as they are final, with overlapping_allreduce)."""
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,15 +21,105 @@ def broadcast_from_first(tensors: List[torch.Tensor], group, src: int) -> None:
             t.data.copy_(v)
 
 
-def average_gradients(params: List[torch.nn.Parameter], group, dp_size: int, bucket_bytes: int) -> None:
-    """Every local parameter takes part (a missing gradient counts as zero), so every rank of
-    the group reduces the same buckets in the same order."""
-    grads = []
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
-    average_in_place(grads, group, dp_size, bucket_bytes)
+class GradBucket:
+    """One bucket of a gradient reduction, with the methods of torch.distributed.GradBucket
+    that communication hooks call (torch's class cannot be built from Python), so torch's own
+    hooks (allreduce_hook, fp16_compress_hook, bf16_compress_hook, ...) run unchanged."""
+
+    def __init__(self, index: int, count: int, params: List[torch.nn.Parameter], grads: List[torch.Tensor]):
+        self._index, self._count, self._params, self._grads = index, count, params, grads
+        self._buffer = _flatten_dense_tensors(grads)
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._index == self._count - 1
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer = tensor
+
+    def parameters(self) -> List[torch.nn.Parameter]:
+        return list(self._params)
+
+    def gradients(self) -> List[torch.Tensor]:
+        return list(self._grads)
+
+
+class GradientReduction:
+    """Averages the gradients of `params` over the data-parallel group, bucket by bucket.
+
+    `launch()` starts every bucket's reduction without waiting: the pipeline runtime calls it as
+    soon as this rank's gradients are final, which on every rank but the last to finish is
+    before the step ends (overlapping_allreduce). `finish()` launches if that has not happened
+    and waits. Every local parameter takes part (a missing gradient counts as zero) and buckets
+    follow parameter order, so every replica reduces the same buckets in the same order, early
+    or not. A communication hook, when registered, replaces the averaging of each bucket and
+    returns a future of the reduced bucket, as under torch DDP."""
+
+    def __init__(self, params: List[torch.nn.Parameter], group, dp_size: int, bucket_bytes: int,
+                 hook: Optional[Callable] = None, hook_state: Any = None, zeros: bool = False):
+        """`zeros`: a replica that has joined reduces zeros in place of its gradients."""
+        self._params, self._group, self._dp_size, self._bucket_bytes = params, group, dp_size, bucket_bytes
+        self._zeros = zeros
+        self._hook, self._hook_state = hook, hook_state
+        self._pending: Optional[List[Tuple[Any, GradBucket]]] = None
+        self._error: Optional[BaseException] = None
+        self._lock = threading.Lock()
+        self.launched_early = False
+
+    def launch(self, early: bool = False) -> None:
+        with self._lock:
+            if self._pending is not None or self._error is not None:
+                return
+            try:
+                self._pending = self._start()
+                self.launched_early = early
+            except BaseException as e:  # surfaced by finish(), on the thread that owns the step
+                self._error = e
+
+    def finish(self) -> None:
+        self.launch()
+        if self._error is not None:
+            raise self._error
+        for work, bucket in self._pending:
+            if self._hook is None:
+                work.wait()
+                reduced = bucket.buffer().div_(self._dp_size)
+            else:
+                reduced = work.wait()
+                if isinstance(reduced, (list, tuple)):
+                    reduced = reduced[0]
+                if not isinstance(reduced, torch.Tensor) or reduced.numel() != bucket.buffer().numel():
+                    raise RuntimeError(f"smp: the communication hook's future for bucket {bucket.index()} gave "
+                                       f"{type(reduced).__name__}, not a tensor of the bucket's "
+                                       f"{bucket.buffer().numel()} elements")
+            if not self._zeros:
+                for g, v in zip(bucket.gradients(), _unflatten_dense_tensors(reduced, bucket.gradients())):
+                    g.copy_(v)
+
+    def _start(self) -> List[Tuple[Any, GradBucket]]:
+        if not self._zeros:
+            for p in self._params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        groups = _buckets(self._params, self._bucket_bytes)
+        pending = []
+        for i, params in enumerate(groups):
+            grads = [torch.zeros_like(p) for p in params] if self._zeros else [p.grad for p in params]
+            bucket = GradBucket(i, len(groups), params, grads)
+            if self._hook is None:
+                work = dist.all_reduce(bucket.buffer(), group=self._group, async_op=True)
+            else:
+                work = self._hook(self._hook_state, bucket)
+                if not isinstance(work, (torch.futures.Future, torch._C.Future)):
+                    raise TypeError(f"smp: a communication hook must return a torch.futures.Future, got "
+                                    f"{type(work).__name__}")
+            pending.append((work, bucket))
+        return pending
 
 
 # Uneven inputs (DistributedModel.join): before each gradient reduction every replica says
@@ -43,26 +135,15 @@ def announce(group, training: bool) -> int:
 
 
 def shadow_until_all_joined(params: List[torch.nn.Parameter], buffers: List[torch.Tensor], group, ranks: List[int],
-                            dp_size: int, bucket_bytes: int, steps: int) -> None:
+                            dp_size: int, bucket_bytes: int, steps: int, hook: Optional[Callable] = None,
+                            hook_state: Any = None) -> None:
     while announce(group, training=False) > 0:
-        average_in_place([torch.zeros_like(p) for p in params], group, dp_size, bucket_bytes)
+        GradientReduction(params, group, dp_size, bucket_bytes, hook, hook_state, zeros=True).finish()
     counts = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
     dist.all_gather(counts, torch.tensor([steps], dtype=torch.int64), group=group)
     counts = [int(c.item()) for c in counts]
     source = ranks[counts.index(max(counts))]
     broadcast_from_first([*params, *buffers], group, source)
-
-
-def average_in_place(grads: List[torch.Tensor], group, dp_size: int, bucket_bytes: int) -> None:
-    pending = []
-    for bucket in _buckets(grads, bucket_bytes):
-        flat = _flatten_dense_tensors(bucket)
-        pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
-    for work, flat, bucket in pending:
-        work.wait()
-        flat.div_(dp_size)
-        for g, v in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-            g.copy_(v)
 
 
 def _buckets(tensors: List[torch.Tensor], limit: int) -> List[List[torch.Tensor]]:

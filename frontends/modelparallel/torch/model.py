@@ -70,6 +70,8 @@ class DistributedModel(nn.Module):
         self._runtime: Optional[PipelineRuntime] = None
         self._steps_with_backward = 0
         self._joining = False
+        self._comm_hook: Tuple[Any, Any] = (None, None)
+        self.last_reduction_overlapped = False  # whether the last reduction started inside the step
         state.model = self
 
     # -- what users call ---------------------------------------------------------------------------
@@ -334,16 +336,40 @@ class DistributedModel(nn.Module):
     def _run_step(self, fn, microbatches, grad_enabled: bool, autocast) -> List[Any]:
         rt = self._runtime
         cfg, topo = state.cfg, state.topo
-        results = rt.run_step(fn, microbatches, self.average_grads_across_microbatches, grad_enabled, autocast,
-                              cfg.pipeline, cfg.active_microbatches)
+        reduction = None
+        if cfg.ddp and topo.dp_size > 1 and (self._steps_with_backward + 1) % self.backward_passes_per_step == 0:
+            reduction = grad_sync.GradientReduction(list(self.local_parameters()), state.dp_group, topo.dp_size,
+                                                    self.bucket_bytes, *self._comm_hook)
+        # A joining replica announces before each reduction, so its reductions wait for the step.
+        early = reduction is not None and self.overlapping_allreduce and not self._joining
+        rt.on_grads_final = (lambda: reduction.launch(early=True)) if early else None
+        try:
+            results = rt.run_step(fn, microbatches, self.average_grads_across_microbatches, grad_enabled, autocast,
+                                  cfg.pipeline, cfg.active_microbatches)
+        finally:
+            rt.on_grads_final = None
         if rt.backward_seen and cfg.ddp and topo.dp_size > 1:
             self._steps_with_backward += 1
-            if self._steps_with_backward % self.backward_passes_per_step == 0:
+            if reduction is not None:
                 if self._joining:
                     grad_sync.announce(state.dp_group, training=True)
-                grad_sync.average_gradients(list(self.local_parameters()), state.dp_group, topo.dp_size,
-                                            self.bucket_bytes)
+                reduction.finish()
+                self.last_reduction_overlapped = reduction.launched_early
         return results
+
+    def register_comm_hook(self, state_: Any, hook) -> None:
+        """A torch DDP communication hook, `hook(state, bucket) -> Future[Tensor]`, run on each
+        gradient bucket in place of averaging it over the data-parallel group ('ddp': true). The
+        bucket has torch GradBucket's methods (buffer, set_buffer, index, is_last, parameters,
+        gradients). torch's hooks read a `state` of None as the world group; here None is the
+        data-parallel group, the only group whose replicas hold the same parameters."""
+        if not state.cfg.ddp:
+            raise RuntimeError("smp: register_comm_hook is for data parallelism across replicas ('ddp': true)")
+        if not callable(hook):
+            raise TypeError(f"smp: register_comm_hook expects a callable hook, got {type(hook).__name__}")
+        if self._comm_hook != (None, None):
+            raise RuntimeError("smp: register_comm_hook can only be called once (as in torch DDP)")
+        self._comm_hook = (hook, state.dp_group if state_ is None else state_)
 
     @contextmanager
     def join(self):
@@ -365,4 +391,5 @@ class DistributedModel(nn.Module):
         self._joining = False
         self._require_partitioned("join")
         grad_sync.shadow_until_all_joined(list(self.local_parameters()), list(self.local_buffers()), state.dp_group,
-                                          topo.dp_group, topo.dp_size, self.bucket_bytes, self._steps_with_backward)
+                                          topo.dp_group, topo.dp_size, self.bucket_bytes, self._steps_with_backward,
+                                          *self._comm_hook)

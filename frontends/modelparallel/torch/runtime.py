@@ -88,6 +88,9 @@ class PipelineRuntime:
         self.root_owner = 0
         self.root: Optional[torch.nn.Module] = None
         self._broken: Optional[str] = None
+        # Called once per step, on a worker thread, when no more gradient can reach this rank's
+        # parameters this step (overlapping_allreduce starts the data-parallel reduction there).
+        self.on_grads_final: Optional[Callable[[], None]] = None
         self._pool = WorkerPool(device)
         self.timeline = Timeline(global_ranks[pp_rank])
         if self.timeline.enabled:
@@ -108,6 +111,8 @@ class PipelineRuntime:
         self._started = 0
         self._finished = 0
         self._at_backward = 0
+        self._serving_backward = 0
+        self._grads_final_fired = False
         self.backward_seen = False
 
     def aborted(self) -> Optional[BaseException]:
@@ -190,6 +195,21 @@ class PipelineRuntime:
                 if not task.reached_backward:
                     self._at_backward += 1
                 self._flow.notify_all()
+            self._check_grads_final()
+
+    def _check_grads_final(self) -> None:
+        """This rank's gradients are final once its microbatches have all run their step
+        function (so every forward call of the step, here included, has been served: the root's
+        outputs come after them) and every served call whose outputs need a gradient has had its
+        backward (each gets exactly one: the caller's backward visits all its recorded calls).
+        The root rank gets there last, when the whole step's backward is done."""
+        with self._lock:
+            if (self._grads_final_fired or self.on_grads_final is None or not self.backward_seen
+                    or self._error is not None or self._finished < self.num_microbatches or self._frames
+                    or self._serving_backward):
+                return
+            self._grads_final_fired = True
+        self.on_grads_final()
 
     def _admit(self, mb: int) -> None:
         """Interleaved: at most `active_microbatches` microbatches between start and finish."""
@@ -415,7 +435,13 @@ class PipelineRuntime:
     def _serve_backward(self, f, grads) -> Message:
         with self._lock:
             frame = self._frames.pop(f["id"])
-        self._backward(frame.calls, frame.outputs, list(grads))
+            self._serving_backward += 1
+        try:
+            self._backward(frame.calls, frame.outputs, list(grads))
+        finally:
+            with self._lock:
+                self._serving_backward -= 1
+        self._check_grads_final()
         in_grads = [t.grad for t in frame.inputs]
         return Message("bwd_done", {"id": f["id"]}, in_grads)
 

@@ -273,6 +273,11 @@ def test_a_partial_checkpoint_of_another_partition_count_is_refused(tmp_path):
     assert_all_ok(results)
     for r in results:
         assert "holds a checkpoint of 2 partitions, but this run has 3" in r.stdout, r.output
+    results = run_world(3, "smp_checkpoint.py", [str(tmp_path), "load_wrong_parts", "3"], timeout=120)
+    assert_all_ok(results)
+    for r in results[:2]:
+        assert "saved from 2 partitions, but this run has 3" in r.stdout, r.output
+    assert "checkpoint.pt_2 does not exist" in results[2].stdout, results[2].output
 
 
 def test_a_missing_partial_file_is_named(tmp_path):

@@ -8,6 +8,8 @@ resume_full:    the same from the full checkpoint.
 ckpt_partial, ckpt_full: the same through smp.resume_from_checkpoint, from the folder that
                 smp.save_checkpoint wrote after step 2 (newest partial; a full one by tag).
 ckpt_wrong_parts: resume a partial checkpoint with another number of partitions (an error).
+load_wrong_parts: the same through smp.load + load_state_dict (ranks with a file refuse its
+                partition count; a rank without one names the missing file).
 The test compares the resumed runs' losses and final parameters with the first run's,
 bitwise, and loads the full checkpoint into the plain nn.Module.
 """
@@ -53,6 +55,14 @@ def main():
             print("REFUSED:", e, flush=True)
             return
         raise AssertionError("a checkpoint of another partition count was loaded")
+    if PHASE == "load_wrong_parts":
+        try:
+            state = smp.load(ckpt, partial=True)
+            model.load_state_dict(state["model_state_dict"])
+        except (RuntimeError, FileNotFoundError) as e:
+            print("REFUSED:", e, flush=True)
+            return
+        raise AssertionError("a partial state of another partition count was loaded")
     if PHASE.startswith("ckpt_"):
         full_ckpt = PHASE == "ckpt_full"
         content = smp.resume_from_checkpoint(folder, tag="full2" if full_ckpt else None, partial=not full_ckpt)

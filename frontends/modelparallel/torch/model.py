@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from . import grad_sync
+from . import grad_sync, partial_state
 from .comm import merge_over_pipeline
 from .activation_checkpointing import checkpointed
 from .optimizer import follow_parameters
@@ -154,23 +154,21 @@ class DistributedModel(nn.Module):
         local = {id(t) for t in [*self.local_parameters(), *self.local_buffers()]}
         out: Dict[str, Any] = OrderedDict(
             (k, v) for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in local)
-        out = OrderedDict((k, v.detach()) for k, v in out.items())
-        out["_smp_is_partial"] = True
-        return out
+        return partial_state.mark(OrderedDict((k, v.detach()) for k, v in out.items()))
 
     def state_dict(self, *args, **kwargs):
         """The whole model's state with the unwrapped module's keys, gathered from every
         pipeline rank (every rank of the pipeline group must call it)."""
         if not self._partitioned:
             return self.module.state_dict(*args, **kwargs)
-        local = {k: v for k, v in self.local_state_dict().items() if k != "_smp_is_partial"}
+        local = partial_state.unmark(dict(self.local_state_dict()))
         full = self.module.state_dict()
         full.update(merge_over_pipeline(local))
         return full
 
     def load_state_dict(self, state_dict, strict: bool = True):
         sd = dict(state_dict)
-        partial = bool(sd.pop("_smp_is_partial", False))
+        partial = partial_state.take(sd, "DistributedModel.load_state_dict")
         if partial:
             if not self._partitioned:
                 self._pending_state = (sd, strict, True)

@@ -12,6 +12,7 @@ from typing import Any, Dict
 
 import torch
 
+from . import partial_state
 from .comm import merge_over_pipeline
 from .state import state
 
@@ -32,8 +33,7 @@ def _local_state_dict(self) -> Dict[str, Any]:
     full = self._smp_plain_state_dict()
     keep = _local_indices(self)
     full["state"] = {k: v for k, v in full["state"].items() if k in keep}
-    full["_smp_is_partial"] = True
-    return full
+    return partial_state.mark(full)
 
 
 def _state_dict(self) -> Dict[str, Any]:
@@ -41,13 +41,12 @@ def _state_dict(self) -> Dict[str, Any]:
         return self._smp_plain_state_dict()
     local = self.local_state_dict()
     local["state"] = merge_over_pipeline(local["state"])
-    local.pop("_smp_is_partial")
-    return local
+    return partial_state.unmark(local)
 
 
 def _load_state_dict(self, sd: Dict[str, Any]) -> None:
     sd = dict(sd)
-    if sd.pop("_smp_is_partial", False):
+    if partial_state.take(sd, "DistributedOptimizer.load_state_dict"):
         sd["state"] = merge_over_pipeline(sd["state"])
     self._smp_plain_load_state_dict(sd)
 

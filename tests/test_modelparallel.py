@@ -242,11 +242,12 @@ def test_ranks_groups_object_helpers_and_model_api(placement):
     assert "partition 0:" in results[0].stdout  # rank 0 logs the partition it chose
 
 
-@pytest.mark.parametrize("parts", [2, 3])
-def test_partial_and_full_checkpoints_resume_the_same_training(parts, tmp_path):
+@pytest.mark.parametrize("parts, procs", [(2, 2), (3, 3), (2, 4)], ids=["pp2", "pp3", "pp2xdp2"])
+def test_partial_and_full_checkpoints_resume_the_same_training(parts, procs, tmp_path):
     runs = {}
+    layout = [str(parts), str(procs)]
     for phase in ("first", "resume_partial", "resume_full", "ckpt_partial", "ckpt_full"):
-        results = run_world(parts, "smp_checkpoint.py", [str(tmp_path), phase, str(parts)], timeout=120)
+        results = run_world(procs, "smp_checkpoint.py", [str(tmp_path), phase, *layout], timeout=120)
         assert_all_ok(results)
         runs[phase] = json.loads(results[0].stdout.strip().splitlines()[-1])["losses"]
         if phase == "first":
@@ -257,14 +258,29 @@ def test_partial_and_full_checkpoints_resume_the_same_training(parts, tmp_path):
     ckpt = sorted(os.listdir(tmp_path / "ckpt"))
     assert ckpt == ["full2", "newest", "optimizer_full2", "step2_partial", "step3_partial", "user_content_full2"], ckpt
     assert (tmp_path / "ckpt" / "newest").read_text() == "step2"
-    final = torch.load(tmp_path / "final_first.pt")
+    final = torch.load(tmp_path / f"final_first_{parts}x{procs}.pt")
     for phase in ("resume_partial", "resume_full", "ckpt_partial", "ckpt_full"):
-        other = torch.load(tmp_path / f"final_{phase}.pt")
+        other = torch.load(tmp_path / f"final_{phase}_{parts}x{procs}.pt")
         assert all(torch.equal(final[k], other[k]) for k in final), phase
     # The full checkpoint loads into the plain module, keys and all.
     plain = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
                           nn.Linear(32, 4))
     plain.load_state_dict(torch.load(tmp_path / "full.pt", weights_only=False)["model_state_dict"])
+
+
+def test_a_full_checkpoint_from_two_partitions_resumes_on_one_and_three(tmp_path):
+    """A full state saved by pp=2 (model and Adam) continues the same training on pp=1 and pp=3."""
+    first = run_world(2, "smp_checkpoint.py", [str(tmp_path), "first", "2"], timeout=120)
+    assert_all_ok(first)
+    want = json.loads(first[0].stdout.strip().splitlines()[-1])["losses"]
+    final = torch.load(tmp_path / "final_first_2x2.pt")
+    for parts in (1, 3):
+        results = run_world(parts, "smp_checkpoint.py", [str(tmp_path), "resume_full", str(parts)], timeout=120)
+        assert_all_ok(results)
+        got = json.loads(results[0].stdout.strip().splitlines()[-1])["losses"]
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-7), (parts, got, want)
+        other = torch.load(tmp_path / f"final_resume_full_{parts}x{parts}.pt")
+        assert all(torch.allclose(final[k], other[k], rtol=1e-6, atol=1e-7) for k in final), parts
 
 
 def test_a_partial_checkpoint_of_another_partition_count_is_refused(tmp_path):

@@ -1,4 +1,5 @@
-"""smp.save / smp.load round trips. argv: directory, phase, partitions.
+"""smp.save / smp.load round trips. argv: directory, phase, partitions[, processes] (more
+processes than partitions: ddp, every replica on the same batches).
 
 first:          4 steps; after step 2, dp_rank 0 saves a partial checkpoint (local state dicts)
                 and a full one (gathered state dicts); prints the losses of steps 3-4 and
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 import smdistributed.modelparallel.torch as smp
 
 DIR, PHASE, PARTS = sys.argv[1], sys.argv[2], int(sys.argv[3])
+PROCS = int(sys.argv[4]) if len(sys.argv) > 4 else PARTS
 
 
 def build(seed):
@@ -33,7 +35,7 @@ def build(seed):
 
 
 def main():
-    smp.init({"partitions": PARTS, "microbatches": 2, "pipeline": "simple"})
+    smp.init({"partitions": PARTS, "microbatches": 2, "pipeline": "simple", "ddp": PROCS > PARTS})
     model = smp.DistributedModel(build(1 if PHASE == "first" else 2))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
     ckpt, full = os.path.join(DIR, "checkpoint.pt"), os.path.join(DIR, "full.pt")
@@ -96,7 +98,7 @@ def main():
         losses = losses[2:]
     final = model.state_dict()
     if smp.pp_rank() == 0:
-        torch.save(final, os.path.join(DIR, f"final_{PHASE}.pt"))
+        torch.save(final, os.path.join(DIR, f"final_{PHASE}_{PARTS}x{PROCS}.pt"))
     print(json.dumps({"rank": smp.rank(), "losses": losses}), flush=True)
 
 

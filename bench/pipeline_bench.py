@@ -3,7 +3,9 @@
 
     torchrun --nproc_per_node 2 bench/pipeline_bench.py                     # 2 GPUs
     torchrun --nproc_per_node 2 bench/pipeline_bench.py --device cpu --small # 2 CPU processes, Gloo peer
+    torchrun --nproc_per_node 1 bench/pipeline_bench.py --only single,smp --act-ckpt  # one GPU, memory
 
+The number of partitions is the number of processes.
 Model (GPU): 16 TransformerEncoderLayers (width 1024, 16 heads, ffn 4096), bf16 parameters,
 batch 64 x 256, loss = mean square of the output, SGD; split 8 + 8 (the anchor's setup).
 Prints one 'RESULT {json}' line on rank 0: step time, samples/s, speedup over one device
@@ -12,6 +14,7 @@ Prints one 'RESULT {json}' line on rank 0: step time, samples/s, speedup over on
 import argparse
 import dataclasses
 import json
+import os
 import time
 
 import torch
@@ -27,6 +30,8 @@ p.add_argument("--steps", type=int, default=10)
 p.add_argument("--warmup", type=int, default=3)
 p.add_argument("--only", default="single,torch,smp")
 p.add_argument("--pipelines", default="simple,interleaved")
+p.add_argument("--act-ckpt", action="store_true",
+               help="also time smp with every layer under smp.set_activation_checkpointing (suffix _ckpt)")
 args = p.parse_args()
 D, H, F, L, B, S = (256, 8, 1024, 8, 32, 64) if args.small else (1024, 16, 4096, 16, 64, 256)
 DTYPE = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -67,7 +72,7 @@ def timed(step, rank_sync):
 
 
 def main():
-    smp.init({"partitions": 2, "microbatches": 4})
+    smp.init({"partitions": int(os.environ.get("WORLD_SIZE", "2")), "microbatches": 4})
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
         torch.cuda.set_device(smp.local_rank())
@@ -116,7 +121,7 @@ def main():
             print("single", json.dumps(out["single"]), flush=True)
         del full, opt
 
-    if "torch" in args.only:
+    if "torch" in args.only and world > 1:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         for name, Sched in (("torch_gpipe", ScheduleGPipe), ("torch_1f1b", Schedule1F1B)):
@@ -152,18 +157,21 @@ def main():
             return loss
 
         base = smp._state.cfg
-        for pipeline in args.pipelines.split(","):
-            for m in micro:
-                smp._state.cfg = dataclasses.replace(base, microbatches=m, pipeline=pipeline)
-                peak_reset()
+        for suffix in ("", "_ckpt") if args.act_ckpt else ("",):
+            if suffix:  # every encoder layer keeps only its input; activations recomputed in backward
+                smp.set_activation_checkpointing(model.module, strategy="each")
+            for pipeline in args.pipelines.split(","):
+                for m in micro:
+                    smp._state.cfg = dataclasses.replace(base, microbatches=m, pipeline=pipeline)
+                    peak_reset()
 
-                def step():
-                    opt.zero_grad(set_to_none=True)
-                    train_step(model, x, y)
-                    opt.step()
+                    def step():
+                        opt.zero_grad(set_to_none=True)
+                        train_step(model, x, y)
+                        opt.step()
 
-                t = timed(step, barrier)
-                record(f"smp_{pipeline}_m{m}", t, m, all_peaks())
+                    t = timed(step, barrier)
+                    record(f"smp_{pipeline}_m{m}{suffix}", t, m, all_peaks())
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
 

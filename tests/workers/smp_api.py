@@ -93,7 +93,9 @@ def check_model_api():
     assert set(dict(model.local_named_buffers())) == set()
     assert all(any(p is q for q in model.local_parameters()) for p in local.values())
     partial = model.local_state_dict()
-    assert partial["_smp_is_partial"] is True and set(partial) - {"_smp_is_partial"} == set(local)
+    assert partial["_smp_is_partial"] is True and partial["_smp_partitions"] == smp.pp_size()
+    assert partial["_smp_pp_rank"] == smp.pp_rank()
+    assert set(partial) - {"_smp_is_partial", "_smp_partitions", "_smp_pp_rank"} == set(local)
     opt.step()
     scheduler.step()
     # The reference: the same start, one full-batch step.

@@ -48,6 +48,10 @@ def load(f: str, map_location=None, pickle_module=pickle, partial: bool = True, 
                 "was it saved with partial=False, or with another number of partitions?)" if partial
                 else " (a full checkpoint is one file; was it saved with partial=True?)")
         raise FileNotFoundError(f"smp.load: {path} does not exist{hint}")
+    if not partial and pickle_module is pickle:
+        # Every rank reads the full file but keeps only its partition: mapped, only the pages of
+        # what it copies are read.
+        pickle_load_args.setdefault("mmap", True)
     return torch.load(path, map_location=map_location, pickle_module=pickle_module, weights_only=False,
                       **pickle_load_args)
 

@@ -160,22 +160,3 @@ def mp_barrier() -> None:
 
 def pp_barrier() -> None:
     barrier(CommGroup.PP_GROUP)
-
-
-def merge_over_pipeline(part: dict) -> dict:
-    """Every pipeline rank's `part` (tensors moved to the CPU), merged into one dict: how
-    partial state dicts become full ones. Every rank of the pipeline group must call it."""
-    parts: List[Any] = [None] * state.topo.pp_size
-    dist.all_gather_object(parts, _to_cpu(part), group=state.pp_group)
-    merged: dict = {}
-    for p in parts:
-        merged.update(p)
-    return merged
-
-
-def _to_cpu(v):
-    if isinstance(v, torch.Tensor):
-        return v.detach().cpu()
-    if isinstance(v, dict):
-        return {k: _to_cpu(x) for k, x in v.items()}
-    return v

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from . import grad_sync, partial_state
-from .comm import merge_over_pipeline
+from .state_merge import everyone_has_own_part, merge_over_pipeline
 from .activation_checkpointing import checkpointed
 from .optimizer import follow_parameters
 from .partition import auto_assignment, describe, manual_assignment
@@ -173,11 +173,26 @@ class DistributedModel(nn.Module):
             if not self._partitioned:
                 self._pending_state = (sd, strict, True)
                 return None
-            sd = merge_over_pipeline(sd)
+            local = set(partial_state.unmark(dict(self.local_state_dict())))
+            if everyone_has_own_part(set(sd) == local):  # the usual case: no tensor moves
+                missing, unexpected = self.module.load_state_dict(sd, strict=False)
+                assert not unexpected and not local.intersection(missing), (unexpected, missing)
+                return None
+            sd = merge_over_pipeline(sd)  # saved under another assignment of modules to partitions
         if not self._partitioned:
             self._pending_state = (sd, strict, False)
             return None
-        return self.module.load_state_dict(sd, strict=strict)
+        # A full state: only this partition's entries are copied (the other partitions' live on
+        # their ranks; copying them here would read and write the whole model on every rank).
+        expected = set(self.module.state_dict())
+        if strict and set(sd) != expected:
+            missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+            raise RuntimeError(f"smp: DistributedModel.load_state_dict: missing keys {missing[:8]}, unexpected keys "
+                               f"{unexpected[:8]}" + (" (more not shown)" if len(missing) > 8 or len(unexpected) > 8
+                                                       else ""))
+        local = set(partial_state.unmark(dict(self.local_state_dict())))
+        return self.module.load_state_dict({k: v for k, v in sd.items() if k in local or k not in expected},
+                                           strict=False)
 
     def cpu(self):
         """Gathers every partition's parameters and buffers into this process, on the CPU."""

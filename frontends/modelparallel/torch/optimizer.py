@@ -13,7 +13,7 @@ from typing import Any, Dict
 import torch
 
 from . import partial_state
-from .comm import merge_over_pipeline
+from .state_merge import everyone_has_own_part, merge_over_pipeline
 from .state import state
 
 
@@ -47,7 +47,11 @@ def _state_dict(self) -> Dict[str, Any]:
 def _load_state_dict(self, sd: Dict[str, Any]) -> None:
     sd = dict(sd)
     if partial_state.take(sd, "DistributedOptimizer.load_state_dict"):
-        sd["state"] = merge_over_pipeline(sd["state"])
+        # Optimizer state is per parameter and optional: a rank that loaded exactly its own
+        # parameters' entries loads them as they are (torch keeps no state for the others).
+        own = state.model is not None and state.model.partitioned and set(sd["state"]) <= _local_indices(self)
+        if not everyone_has_own_part(own):
+            sd["state"] = merge_over_pipeline(sd["state"])
     self._smp_plain_load_state_dict(sd)
 
 

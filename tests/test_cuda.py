@@ -18,6 +18,7 @@ from world import assert_all_ok, run_world  # noqa: E402
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+needs_a_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
 WORLD = min(max(GPUS, 2), 4)  # one rank per GPU, up to 4
 
 
@@ -197,3 +198,11 @@ def test_cuda_modelparallel_seed_002_script(tmp_path):
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count(" loss ") == 4, proc.stdout
+
+
+@needs_a_gpu
+def test_cuda_modelparallel_one_gpu_amp_autocast_and_checkpoint(tmp_path):
+    """partitions 1 on a GPU: GradScaler against torch's, bf16 autocast, a partial round trip."""
+    results = run_world(1, "smp_gpu_single.py", [str(tmp_path)], gpus=True, timeout=300)
+    assert_all_ok(results)
+    assert "GPU SINGLE OK" in results[0].stdout

@@ -72,6 +72,7 @@ py::dict counters_dict(const Counters& c) {
   d["negotiation_bytes"] = c.negotiation_bytes.load();
   d["cache_hits"] = c.cache_hits.load();
   d["cache_misses"] = c.cache_misses.load();
+  d["cache_evictions"] = c.cache_evictions.load();
   d["p2p_messages"] = c.p2p_messages.load();
   return d;
 }
@@ -79,6 +80,7 @@ py::dict counters_dict(const Counters& c) {
 }  // namespace
 
 void bind_gpu(py::module_& m);  // bindings_gpu.cc
+void bind_negotiation(py::module_& m);  // bindings_negotiation.cc
 namespace smddp {
 const smddp_c_api* c_api();  // c_api.cc
 }
@@ -102,6 +104,8 @@ PYBIND11_MODULE(_core, m) {
       .value("BARRIER", OpType::kBarrier);
 
   bind_gpu(m);
+  py::module_ negotiation = m.def_submodule("negotiation", "The coordinator and the response cache, for in-process tests.");
+  bind_negotiation(negotiation);
   // Native frontends (the torch c10d Backend) call the engine through this table, without
   // Python in between; see c_api.h.
   m.attr("_c_api") = py::capsule(static_cast<const void*>(c_api()), SMDDP_C_API_CAPSULE);

@@ -3,6 +3,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "reduce.h"
@@ -24,6 +25,9 @@ Engine::Engine(const WorldSpec& spec) : config_(EngineConfig::from_environment()
   fusion_bytes_ = config_.fusion_bytes;
   timeline_.open(config_.timeline_path, comm_->rank());
   rank_gone_.assign(comm_->size(), false);
+  if (rank_ == 0)
+    coordinator_ = std::make_unique<Coordinator>(size_, size_t(std::max<int64_t>(config_.cache_capacity, 0)),
+                                                 stall_timeout_s_, config_.stall_warning_s);
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -301,17 +305,7 @@ bool Engine::step() {
       for (int r = 1; r < size(); ++r)
         if (!rank_gone_[r]) comm_->send_message(r, kControlChannel, beat, "sending a heartbeat");
     }
-    std::vector<Response> responses = build_responses();
-    if (!responses.empty()) {
-      busy = true;
-      std::string msg = encode_responses(responses);
-      for (int r = 1; r < size(); ++r) {
-        if (rank_gone_[r]) continue;
-        comm_->send_message(r, kControlChannel, msg, "sending negotiation responses");
-      }
-      counters_.negotiation_round_trips++;
-      for (const auto& resp : responses) execute(resp);
-    }
+    busy |= send_responses();
   } else if (!rank_gone_[0]) {
     busy |= poll_responses();
     check_coordinator_alive();

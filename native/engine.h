@@ -16,7 +16,9 @@
 #include <vector>
 
 #include "comm.h"
+#include "coordinator.h"
 #include "messages.h"
+#include "response_cache.h"
 #include "timeline.h"
 
 namespace smddp {
@@ -33,6 +35,7 @@ struct Counters {
   std::atomic<uint64_t> negotiation_bytes{0};        // bytes this rank sent for negotiation
   std::atomic<uint64_t> cache_hits{0};               // announced by cache id
   std::atomic<uint64_t> cache_misses{0};             // announced in full
+  std::atomic<uint64_t> cache_evictions{0};          // ids this rank saw evicted
   std::atomic<uint64_t> p2p_messages{0};
 };
 
@@ -125,14 +128,15 @@ class Engine {
   void wake_engine();  // new work or shutdown: the background thread must look
   void complete(const std::shared_ptr<Entry>& e, const std::string& error);
 
-  // Negotiation (engine_negotiation.cc).
+  // Negotiation (engine_negotiation.cc): moving announcements and responses between this
+  // rank and the coordinator, which decides (coordinator.h).
   bool announce_new_entries();
   bool poll_coordinator_messages();   // rank 0: announcements from every rank
   bool poll_responses();              // other ranks: responses from rank 0
-  void tally(int rank, const std::vector<Announcement>& list);
-  std::vector<Response> build_responses();
-  std::vector<Response> check_stalls();  // errors for tensors stuck on missing ranks
-  std::string describe_mismatch(const std::string& name);
+  bool send_responses();              // rank 0: the coordinator's next message, to everyone
+  void apply(const ResponseMessage& m);
+  // The cache this rank announces from: rank 0's own table, or this rank's replica of it.
+  ResponseCache& known_ids() { return coordinator_ ? coordinator_->cache() : replica_; }
 
   // Execution (engine_execute.cc).
   void execute(const Response& r);
@@ -181,16 +185,9 @@ class Engine {
 
   // Background-thread state (no lock needed).
   std::unordered_map<std::string, std::shared_ptr<Entry>> pending_;  // announced, not yet run
-  std::vector<Announcement> outgoing_;
-  struct CacheEntry {
-    std::string name;
-    Signature sig;
-  };
-  // Keyed by name and signature: a name that recurs with a few signatures in turn (the torch
-  // Backend's names repeat by position, see frontends/torch/csrc/backend.cc) hits for each.
-  std::unordered_map<std::string, uint32_t> cache_by_key_;
-  static std::string cache_key(const std::string& name, const Signature& sig);
-  std::vector<CacheEntry> cache_;  // index = id
+  std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
+  ResponseCache replica_{0};                   // other ranks: what rank 0's responses said
+  uint64_t responses_applied_ = 0;             // kRespond messages run (other ranks)
   std::vector<char> fusion_buffer_;
   std::map<int, std::deque<std::shared_ptr<Entry>>> p2p_sends_, p2p_recvs_;
   // Receive side, per peer: the message being read (header, then payload into a posted
@@ -207,19 +204,7 @@ class Engine {
   std::map<int, std::deque<std::pair<int64_t, std::vector<char>>>> p2p_unexpected_;
   int64_t last_p2p_progress_us_ = 0;
 
-  // Coordinator state (rank 0).
-  struct Tally {
-    std::vector<bool> seen;
-    std::vector<Signature> sigs;
-    std::vector<std::vector<int64_t>> per_rank;
-    int count = 0;
-    int64_t first_us = 0;
-    bool stall_warned = false;
-  };
-  std::unordered_map<std::string, Tally> tallies_;
-  std::vector<std::string> ready_;   // names every rank has announced, in readiness order
   std::vector<bool> rank_gone_;      // ranks that said goodbye
-  int64_t last_stall_check_us_ = 0;
   int64_t last_heartbeat_sent_us_ = 0;   // rank 0
   int64_t last_heard_from_coordinator_us_ = 0;  // other ranks: any message from rank 0
   // Other ranks: raises PeerError naming rank 0 when operations wait on negotiation and rank

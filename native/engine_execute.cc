@@ -37,11 +37,7 @@ void Engine::execute(const Response& r) {
     pending_.erase(it);
     entries.push_back(e);
     // Learn the id rank 0 assigned so the next announcement of this tensor is 4 bytes.
-    if (!r.is_error && re.cache_id != Announcement::kNoCacheId && re.cache_id >= cache_.size()) {
-      cache_.resize(re.cache_id + 1);
-      cache_[re.cache_id] = {re.name, e->sig};
-      cache_by_key_[cache_key(re.name, e->sig)] = re.cache_id;
-    }
+    if (!r.is_error && !coordinator_) replica_.learn(re.cache_id, re.name, e->sig);
   }
   if (r.is_error) {
     // A check-only entry stands for a CUDA call whose kind is in its name (gather and scatter

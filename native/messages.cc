@@ -72,11 +72,12 @@ Signature Signature::read(Reader& r) {
   return s;
 }
 
-std::string encode_announcements(const std::vector<Announcement>& list) {
+std::string encode_announcements(const AnnouncementMessage& m) {
   Writer w;
   w.put<uint8_t>(uint8_t(MessageType::kAnnounce));
-  w.put<uint32_t>(uint32_t(list.size()));
-  for (const auto& a : list) {
+  w.put<uint64_t>(m.responses_applied);
+  w.put<uint32_t>(uint32_t(m.announcements.size()));
+  for (const auto& a : m.announcements) {
     w.put<uint32_t>(a.cache_id);
     if (a.cache_id == Announcement::kNoCacheId) {
       w.put_string(a.name);
@@ -87,9 +88,12 @@ std::string encode_announcements(const std::vector<Announcement>& list) {
   return w.take();
 }
 
-std::vector<Announcement> decode_announcements(Reader& r) {
-  std::vector<Announcement> list(r.get<uint32_t>());
-  for (auto& a : list) {
+AnnouncementMessage decode_announcements(Reader& r) {
+  AnnouncementMessage m;
+  m.responses_applied = r.get<uint64_t>();
+  // The smallest announcement: a cache id and an empty per_rank list.
+  m.announcements.resize(r.get_count(2 * sizeof(uint32_t)));
+  for (auto& a : m.announcements) {
     a.cache_id = r.get<uint32_t>();
     if (a.cache_id == Announcement::kNoCacheId) {
       a.name = r.get_string();
@@ -97,14 +101,17 @@ std::vector<Announcement> decode_announcements(Reader& r) {
     }
     a.per_rank = r.get_i64s();
   }
-  return list;
+  if (!r.done()) throw Error("malformed announcement message (trailing bytes)");
+  return m;
 }
 
-std::string encode_responses(const std::vector<Response>& rs) {
+std::string encode_responses(const ResponseMessage& m) {
   Writer w;
   w.put<uint8_t>(uint8_t(MessageType::kRespond));
-  w.put<uint32_t>(uint32_t(rs.size()));
-  for (const auto& resp : rs) {
+  w.put<uint32_t>(uint32_t(m.evicted.size()));
+  for (uint32_t id : m.evicted) w.put<uint32_t>(id);
+  w.put<uint32_t>(uint32_t(m.responses.size()));
+  for (const auto& resp : m.responses) {
     w.put<uint8_t>(resp.is_error);
     if (resp.is_error) w.put_string(resp.error);
     resp.sig.write(w);
@@ -119,21 +126,27 @@ std::string encode_responses(const std::vector<Response>& rs) {
   return w.take();
 }
 
-std::vector<Response> decode_responses(Reader& r) {
-  std::vector<Response> rs(r.get<uint32_t>());
-  for (auto& resp : rs) {
+ResponseMessage decode_responses(Reader& r) {
+  ResponseMessage m;
+  m.evicted.resize(r.get_count(sizeof(uint32_t)));
+  for (auto& id : m.evicted) id = r.get<uint32_t>();
+  // The smallest response: is_error, a signature of empty lists, no entries, no per_rank.
+  constexpr size_t kMinSignature = 3 + 4 + 4 + 4 + 8 + 8 + 1;
+  m.responses.resize(r.get_count(1 + kMinSignature + 4 + 4));
+  for (auto& resp : m.responses) {
     resp.is_error = r.get<uint8_t>();
     if (resp.is_error) resp.error = r.get_string();
     resp.sig = Signature::read(r);
-    resp.entries.resize(r.get<uint32_t>());
+    resp.entries.resize(r.get_count(sizeof(uint32_t) * 2));
     for (auto& e : resp.entries) {
       e.name = r.get_string();
       e.cache_id = r.get<uint32_t>();
     }
-    resp.per_rank.resize(r.get<uint32_t>());
+    resp.per_rank.resize(r.get_count(sizeof(uint32_t)));
     for (auto& v : resp.per_rank) v = r.get_i64s();
   }
-  return rs;
+  if (!r.done()) throw Error("malformed response message (trailing bytes)");
+  return m;
 }
 
 }  // namespace smddp

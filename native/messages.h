@@ -1,8 +1,73 @@
-// The negotiation protocol between each rank and the coordinator (rank 0).
+// The wire protocol between ranks: what they send each other, byte by byte. The code that
+// writes and reads these messages is messages.cc (negotiation) and comm.cc / store.cc
+// (bootstrap); the coordinator's rules are coordinator.h, the cache's response_cache.h.
 //
-// A rank announces tensors it has queued (a full description, or a 4-byte response-cache id
-// once the description was agreed before). The coordinator answers, in one order for all
-// ranks, with what to run: fused groups of allreduces, single collectives, or errors.
+// ## Encoding
+// Little-endian, packed, no padding (wire.h). u8/u32/i32/u64/f64 are fixed-size integers and
+// doubles; `string` is u32 length + bytes; `i64s` is u32 count + count x i64.
+//
+// ## Bootstrap (comm.cc, store.cc)
+// - Rendezvous store (served by rank 0, or a framework's store): every frame on its TCP
+//   connection is u64 length + payload. The client's first frame is the job secret
+//   (SMDDP_SECRET; at most 4 KiB, within 2 s, or the server closes it and counts a refusal);
+//   the server answers "smddp-store-ok<generation>" or "smddp-store-refused". Then requests:
+//   u8 1 (set) + string key + string value -> u8 1; u8 2 (get) + string key -> u8 found +
+//   string value. At most 1 MiB per request.
+// - Each rank's record, key "rank/<r>": five lines "host key\naddress\nport\npid\nprotocol\n".
+//   Every rank reads every record and refuses to start if any record's protocol is not
+//   kProtocolVersion, naming the rank and both versions.
+// - Between hosts, the lower rank connects to the higher rank's bootstrap listener once per
+//   channel kind and sends one frame: string secret + i32 rank + i32 channel kind (4 KiB and
+//   2 s at most, as the store). Inside a host, channels are shared-memory rings.
+//
+// ## Channels
+// Each pair of ranks has three channels (channel.h): data (collective payloads, raw bytes in
+// the order both sides' algorithms agree on), control (the messages below, each framed as
+// u64 length + body, at most 4 GiB), and point-to-point (each message is i64 tag + i64 bytes,
+// then the bytes; engine_p2p.cc).
+//
+// ## Negotiation (control channel, between rank 0 and every other rank)
+// The first byte of every control message is its MessageType.
+// - kAnnounce (rank r -> rank 0): u64 responses_applied + u32 n + n x announcement, where an
+//   announcement is u32 cache_id, then (only if cache_id == 0xffffffff) string name +
+//   signature, then i64s per_rank. responses_applied counts the kRespond messages rank r has
+//   applied when it wrote this one; rank 0 needs it to resolve ids it has evicted since.
+//   A signature is u8 op + u8 dtype + u8 reduce op + i32 root + i64s shape + i64s splits +
+//   f64 prescale + f64 postscale + u8 check_only.
+// - kRespond (rank 0 -> every other rank, the same bytes to each): u32 e + e x u32 evicted id,
+//   then u32 n + n x response, where a response is u8 is_error (+ string error if set),
+//   signature, u32 k + k x (string name + u32 cache_id), u32 m + m x i64s per_rank. Ranks run
+//   the responses in message order and, inside one, in entry order: that is how every rank
+//   runs the same collectives in the same order. A fused allreduce lists its tensors in
+//   buffer order. rank 0 applies its own responses as it sends them.
+// - kHeartbeat (rank 0 -> others, every kHeartbeatUs while idle or busy): no body. A rank
+//   whose operations wait on negotiation and that hears nothing from rank 0 (no response, no
+//   heartbeat) for the timeout raises, naming rank 0.
+// - kGoodbye (rank 0 -> every rank, every rank -> rank 0, at an orderly shutdown): no body.
+//   Rank 0 fails whatever the leaving rank never announced ("shut down without
+//   submitting"); other ranks fail everything after rank 0's goodbye.
+// - kAbort (any rank -> rank 0, and rank 0 -> every rank): string cause. The rank that sees a
+//   failure first sends it; rank 0 relays it, so every rank raises the root cause
+//   ("rank 3 died during allreduce (detected by rank 2)") rather than a closed connection.
+//   Ranks on one host also see an abort in their shared segment (shm_segment.h).
+//
+// ## Names and the cache
+// - A name identifies one collective among those in flight on a rank: submitting a name
+//   that is still in flight is refused at submission. Ranks match announcements by name, in
+//   any order, and then must agree on the signature (else every rank gets the same error,
+//   naming the field and each rank's value). allgather and alltoall may differ in their
+//   first dimension; per_rank carries each rank's part, checked against every receiver.
+// - Check-only entries (signature.check_only) are negotiated, cached and answered like any
+//   other but never fused or run: the CUDA path checks arguments this way while NCCL moves
+//   the data.
+// - cache ids: rank 0 assigns them in kRespond entries (cache_id of an agreed entry); other
+//   ranks learn them from there and may announce the same (name, signature) by id next time.
+//   When the cache is full (SMDDP_CACHE_CAPACITY), rank 0 evicts the least recently used
+//   entry and lists its id in the message's evicted ids, which a rank applies after learning
+//   the message's entries (an entry's id may be evicted later in the same message). An evicted id is not reused until
+//   every rank's responses_applied shows it has seen the eviction (response_cache.h).
+//
+// Raise kProtocolVersion whenever any of this changes.
 #pragma once
 
 #include <cstdint>
@@ -45,9 +110,8 @@ struct Announcement {
   static constexpr uint32_t kNoCacheId = 0xffffffffu;
 };
 
-// The version of everything ranks send each other (negotiation messages, their layouts, the
-// rendezvous records). Checked at bootstrap; raise it whenever a message changes.
-constexpr int kProtocolVersion = 2;
+// The version of everything above. Checked at bootstrap.
+constexpr int kProtocolVersion = 3;
 
 // kHeartbeat: rank 0 says it is alive (every kHeartbeatUs), so a rank that waits on it can
 // tell a coordinator that is merely busy from one that is stopped or cut off.
@@ -67,9 +131,25 @@ struct Response {
   std::vector<std::vector<int64_t>> per_rank;    // for single-tensor allgather/alltoall
 };
 
-std::string encode_announcements(const std::vector<Announcement>& a);
-std::vector<Announcement> decode_announcements(class Reader& r);
-std::string encode_responses(const std::vector<Response>& rs);
-std::vector<Response> decode_responses(class Reader& r);
+// One kAnnounce message.
+struct AnnouncementMessage {
+  uint64_t responses_applied = 0;
+  std::vector<Announcement> announcements;
+};
+
+// One kRespond message.
+struct ResponseMessage {
+  // Cache ids no longer valid once this message is applied; a rank forgets them after it has
+  // learned the ids of the message's entries (rank 0 may evict, later in one message, an
+  // id it gave an earlier entry of it).
+  std::vector<uint32_t> evicted;
+  std::vector<Response> responses;
+};
+
+// Whole messages, type byte included (the decoders expect it already read).
+std::string encode_announcements(const AnnouncementMessage& m);
+AnnouncementMessage decode_announcements(class Reader& r);
+std::string encode_responses(const ResponseMessage& m);
+ResponseMessage decode_responses(class Reader& r);
 
 }  // namespace smddp

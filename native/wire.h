@@ -60,6 +60,13 @@ class Reader {
     p_ += n * sizeof(int64_t);
     return v;
   }
+  // A count of items that follow, each at least `min_item_bytes` long: refused if the
+  // message is too short to hold them, before anything is allocated for them.
+  uint32_t get_count(size_t min_item_bytes) {
+    uint32_t n = get<uint32_t>();
+    need(size_t(n) * min_item_bytes);
+    return n;
+  }
   bool done() const { return p_ == end_; }
 
  private:

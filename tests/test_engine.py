@@ -31,6 +31,18 @@ def test_shuffled_batches_fuse_and_hit_the_cache(nranks):
     assert worker_steps[1]["negotiation_bytes"] < worker_steps[0]["negotiation_bytes"] / 2, worker_steps
 
 
+def test_a_small_response_cache_evicts_and_stays_exact():
+    """SMDDP_CACHE_CAPACITY=4 with a sliding working set of 5 names on 3 ranks: rank 0 evicts
+    least recently used ids while other ranks may still announce them; every result is
+    exact, and the cache both hits and evicts."""
+    results = run_world(3, "fusion_and_cache.py", ["evict"], env={"SMDDP_CACHE_CAPACITY": "4"})
+    assert_all_ok(results)
+    for r in results:
+        (s,) = counters_of(r)
+        assert s["failed"] == 0 and s["completed"] == 40 * 5, s
+        assert s["cache_evictions"] > 0 and s["cache_hits"] > 0, s
+
+
 @pytest.mark.parametrize("nranks", [2, 3])
 def test_shuffled_stream_completes_correctly(nranks):
     results = run_world(nranks, "fusion_and_cache.py", ["stream"])

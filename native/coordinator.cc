@@ -1,0 +1,194 @@
+// The coordinator's tally, response building, fusion and stall checks (coordinator.h).
+#include "coordinator.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "validate.h"
+
+namespace smddp {
+
+namespace {
+
+int64_t element_count(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::ostringstream o;
+  for (size_t i = 0; i < ranks.size(); ++i) o << (i ? ", " : "") << ranks[i];
+  return o.str();
+}
+
+Response error_response(const std::string& name, const Signature& sig, const std::string& error) {
+  Response r;
+  r.is_error = true;
+  r.error = error;
+  r.sig = sig;
+  r.entries.push_back({name, Announcement::kNoCacheId});
+  return r;
+}
+
+}  // namespace
+
+Coordinator::Coordinator(int world_size, size_t cache_capacity, double stall_timeout_s, double stall_warning_s)
+    : size_(world_size),
+      stall_timeout_s_(stall_timeout_s),
+      stall_warning_s_(stall_warning_s),
+      cache_(cache_capacity),
+      gone_(world_size, false),
+      applied_(world_size, 0) {}
+
+void Coordinator::receive(int from, const std::vector<Announcement>& list, uint64_t applied, int64_t now_us) {
+  if (from < 0 || from >= size_) throw Error("internal: announcement from rank " + std::to_string(from));
+  if (applied > seq_)
+    throw Error("rank " + std::to_string(from) + " says it applied response " + std::to_string(applied) +
+                ", but rank 0 has built only " + std::to_string(seq_));
+  for (const auto& a : list) {
+    std::string name = a.name;
+    Signature sig = a.sig;
+    if (a.cache_id != Announcement::kNoCacheId) {
+      const ResponseCache::Item& item = cache_.resolve(a.cache_id, from);
+      name = item.name;
+      sig = item.sig;
+    }
+    Tally& t = tallies_[name];
+    if (t.seen.empty()) {
+      t.seen.assign(size_, false);
+      t.sigs.resize(size_);
+      t.per_rank.resize(size_);
+      t.first_us = now_us;
+    }
+    if (t.seen[from]) throw Error("rank " + std::to_string(from) + " announced '" + name + "' twice");
+    t.seen[from] = true;
+    t.sigs[from] = std::move(sig);
+    t.per_rank[from] = a.per_rank;
+    if (++t.count == size_) ready_.push_back(name);
+  }
+  // Announcements arrive in order on each rank's channel: from now on this rank names no id
+  // evicted by a message it has applied.
+  if (applied > applied_[from]) {
+    applied_[from] = applied;
+    release_retired_ids();
+  }
+}
+
+void Coordinator::rank_left(int rank) {
+  if (rank < 0 || rank >= size_) return;
+  gone_[rank] = true;
+  release_retired_ids();
+}
+
+void Coordinator::release_retired_ids() {
+  if (cache_.retired() == 0) return;
+  uint64_t everyone = seq_;
+  for (int r = 1; r < size_; ++r)  // rank 0 applies each message as it builds it
+    if (!gone_[r]) everyone = std::min(everyone, applied_[r]);
+  cache_.acknowledged(everyone);
+}
+
+std::string Coordinator::describe_mismatch(const std::string& name, const Tally& t) const {
+  for (int r = 1; r < size_; ++r) {
+    std::string field = t.sigs[0].first_difference(t.sigs[r]);
+    if (field.empty()) continue;
+    std::ostringstream o;
+    o << "ranks disagree on the " << field << " of tensor '" << name << "': ";
+    for (int q = 0; q < size_; ++q) o << (q ? ", " : "") << "rank " << q << " has " << t.sigs[q].field_text(field);
+    return o.str();
+  }
+  return "";
+}
+
+ResponseMessage Coordinator::respond(int64_t fusion_bytes, int64_t now_us) {
+  ResponseMessage m;
+  open_.clear();
+  for (const auto& name : ready_) {
+    auto it = tallies_.find(name);
+    Tally t = std::move(it->second);
+    tallies_.erase(it);
+    add_ready(name, std::move(t), fusion_bytes, m);
+  }
+  ready_.clear();
+  add_stall_errors(now_us, m);
+  if (!m.responses.empty()) ++seq_;
+  return m;
+}
+
+void Coordinator::add_ready(const std::string& name, Tally t, int64_t fusion_bytes, ResponseMessage& m) {
+  const Signature& sig = t.sigs[0];
+  std::string mismatch = describe_mismatch(name, t);
+  if (!mismatch.empty()) {
+    m.responses.push_back(error_response(name, sig, mismatch));
+    return;
+  }
+  if (sig.op == OpType::kAllgather || sig.op == OpType::kAlltoall) {
+    // Only all announcements together tell whether every receiver's output fits.
+    std::string bad = check_ragged(name, sig, t.per_rank, size_);
+    if (!bad.empty()) {
+      m.responses.push_back(error_response(name, sig, bad));
+      return;
+    }
+  }
+  // Agreed: cached from now on (the message being built is number seq_ + 1).
+  ResponseEntry entry{name, cache_.use(name, sig, seq_ + 1, &m.evicted)};
+  if (sig.op == OpType::kAllreduce && !sig.check_only) {
+    const int64_t bytes = element_count(sig.shape) * int64_t(dtype_size(sig.dtype));
+    OpenBucket* fit = nullptr;
+    for (auto& b : open_) {
+      const Signature& bs = m.responses[b.index].sig;
+      if (bs.dtype == sig.dtype && bs.reduce_op == sig.reduce_op && bs.prescale == sig.prescale &&
+          bs.postscale == sig.postscale) {
+        fit = &b;
+        break;
+      }
+    }
+    if (fit && fit->bytes + bytes <= fusion_bytes) {
+      m.responses[fit->index].entries.push_back(std::move(entry));
+      fit->bytes += bytes;
+      return;
+    }
+    // A new bucket; it replaces the full one of its kind as the one open for fusion.
+    if (fit) *fit = {m.responses.size(), bytes};
+    else open_.push_back({m.responses.size(), bytes});
+  }
+  Response r;
+  r.sig = sig;
+  r.entries.push_back(std::move(entry));
+  if (sig.op == OpType::kAllgather || sig.op == OpType::kAlltoall) r.per_rank = std::move(t.per_rank);
+  m.responses.push_back(std::move(r));
+}
+
+void Coordinator::add_stall_errors(int64_t now_us, ResponseMessage& m) {
+  if (now_us - last_stall_check_us_ < 100000 || tallies_.empty()) return;
+  last_stall_check_us_ = now_us;
+  std::vector<std::string> expired;
+  for (auto& kv : tallies_) {
+    Tally& t = kv.second;
+    std::vector<int> have, missing, gone;
+    for (int r = 0; r < size_; ++r) {
+      (t.seen[r] ? have : missing).push_back(r);
+      if (!t.seen[r] && gone_[r]) gone.push_back(r);
+    }
+    const double age = double(now_us - t.first_us) / 1e6;
+    std::string problem;
+    if (!gone.empty()) {
+      problem = "rank(s) " + rank_list(gone) + " shut down without submitting tensor '" + kv.first + "'";
+    } else if (age > stall_timeout_s_) {
+      problem = "tensor '" + kv.first + "' was submitted by rank(s) " + rank_list(have) + " but rank(s) " +
+                rank_list(missing) + " did not submit it within " + std::to_string(int(stall_timeout_s_)) +
+                " s (the timeout: SMDDP_TIMEOUT, or the framework's)";
+    } else if (age > stall_warning_s_ && !t.stall_warned) {
+      t.stall_warned = true;
+      SMDDP_LOG(1, "tensor '" + kv.first + "' has waited " + std::to_string(int(age)) + " s: submitted by rank(s) " +
+                       rank_list(have) + ", still missing rank(s) " + rank_list(missing));
+    }
+    if (problem.empty()) continue;
+    m.responses.push_back(error_response(kv.first, t.sigs[have.front()], problem));
+    expired.push_back(kv.first);
+  }
+  for (const auto& name : expired) tallies_.erase(name);
+}
+
+}  // namespace smddp

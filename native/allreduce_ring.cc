@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "collectives.h"
-#include "reduce.h"
+#include "reduce_kernels.h"
 
 namespace smddp {
 

@@ -7,7 +7,7 @@
 #include "c_api.h"
 #include "config.h"
 #include "engine.h"
-#include "reduce.h"
+#include "reduce_kernels.h"
 
 namespace py = pybind11;
 using namespace smddp;

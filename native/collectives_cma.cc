@@ -16,7 +16,7 @@
 
 #include "cma.h"
 #include "collectives.h"
-#include "reduce.h"
+#include "reduce_kernels.h"
 
 namespace smddp {
 

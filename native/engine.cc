@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "reduce.h"
+#include "reduce_kernels.h"
 #include "validate.h"
 
 namespace smddp {

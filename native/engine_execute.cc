@@ -4,7 +4,7 @@
 
 #include "collectives.h"
 #include "engine.h"
-#include "reduce.h"
+#include "reduce_kernels.h"
 
 namespace smddp {
 

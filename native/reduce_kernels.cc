@@ -1,4 +1,4 @@
-#include "reduce.h"
+#include "reduce_kernels.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -6,6 +6,8 @@
 // Rounds alternate between two slot sets, so the next round's copy-in never overwrites a slot
 // another rank is still copying out of, and no third barrier is needed. Small pieces skip
 // the scatter step: every rank reduces the whole piece itself after one barrier.
+// Buffers of SMDDP_CMA_THRESHOLD bytes or more go to allreduce_cma.cc when cross-memory
+// attach works.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -60,22 +62,6 @@ void allreduce_shm(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op
       const size_t qhi = std::min(n, qlo + chunk);
       if (qhi > qlo) std::memcpy(data + (off + qlo) * es, seg->slot(set, q) + qlo * es, (qhi - qlo) * es);
     }
-  }
-}
-
-void broadcast_shm(Comm& comm, void* buf, size_t bytes, int root_local_rank) {
-  const int L = comm.local_size();
-  if (L == 1 || bytes == 0) return;
-  HostSegment* seg = comm.host_segment();
-  const bool is_root = comm.local_rank() == root_local_rank;
-  char* data = static_cast<char*>(buf);
-  for (size_t off = 0; off < bytes; off += seg->slot_bytes()) {
-    const size_t n = std::min(seg->slot_bytes(), bytes - off);
-    const int set = int(comm.next_slot_round() & 1);
-    char* slot = seg->slot(set, root_local_rank);
-    if (is_root) std::memcpy(slot, data + off, n);
-    comm.host_barrier("intra-host broadcast");
-    if (!is_root) std::memcpy(data + off, slot, n);
   }
 }
 

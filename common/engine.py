@@ -183,6 +183,10 @@ class Core:
     def store_refused_connections(self) -> int:
         return self._engine.store_refused_connections()
 
+    def bootstrap_refused_connections(self) -> int:
+        """Connections this rank's listener for other hosts' ranks turned away at start-up."""
+        return self._engine.bootstrap_refused_connections()
+
     @contextlib.contextmanager
     def batch(self):
         """Operations submitted inside reach the engine together: one announcement, and

@@ -199,5 +199,6 @@ PYBIND11_MODULE(_core, m) {
       .def("counters", [](Engine& e) { return counters_dict(e.counters()); })
       .def("abort_message", &Engine::abort_message)
       .def("store_refused_connections", &Engine::store_refused_connections)
+      .def("bootstrap_refused_connections", &Engine::bootstrap_refused_connections)
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>());
 }

@@ -343,6 +343,7 @@ void Comm::accept_peer_connections(Socket& listener, int expected, double timeou
             SMDDP_LOG(0, "dropped a connection from " + p->desc + ": no handshake within " +
                              std::to_string(kHandshakeDeadline) + " s");
             p->sock.close();
+            ++bootstrap_refused_;
           }
           continue;
         }
@@ -353,6 +354,7 @@ void Comm::accept_peer_connections(Socket& listener, int expected, double timeou
         if (!secrets_equal(secret, secret_)) {
           SMDDP_LOG(0, "refused a connection from " + p->desc + ": it presented a wrong or missing secret (SMDDP_SECRET)");
           p->sock.close();
+          ++bootstrap_refused_;
           continue;
         }
         if (peer < 0 || peer >= rank_ || rank_host_[peer] == host_index_ || k < 0 || k >= kNumChannelKinds ||
@@ -363,6 +365,7 @@ void Comm::accept_peer_connections(Socket& listener, int expected, double timeou
       } catch (const Error& e) {
         SMDDP_LOG(0, "dropped a bad connection from " + p->desc + ": " + e.what());
         p->sock.close();
+        ++bootstrap_refused_;
       }
     }
     pending.erase(std::remove_if(pending.begin(), pending.end(), [](const auto& p) { return !p->sock.valid(); }),

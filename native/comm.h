@@ -59,6 +59,8 @@ class Comm {
   HostSegment* host_segment() { return segment_.get(); }
   Channel* channel(int peer, ChannelKind kind);
   int store_refused_connections() const { return store_server_ ? store_server_->refused_connections() : 0; }
+  // Connections this rank's bootstrap listener turned away (each is logged too).
+  int bootstrap_refused_connections() const { return bootstrap_refused_; }
 
   // Runs transfers until all complete. Fails with PeerError after `timeout_s` without
   // progress, or as soon as the host is aborted or a peer dies; `what` names the operation.
@@ -105,6 +107,7 @@ class Comm {
   bool cma_enabled_ = false;
   std::vector<char> scratch_;
   bool aborted_ = false;
+  int bootstrap_refused_ = 0;
 };
 
 }  // namespace smddp

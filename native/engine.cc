@@ -317,6 +317,7 @@ bool Engine::step() {
     if (now - last_check > 10000) {
       last_check = now;
       comm_->check_alive("a collective");
+      if (rank() != 0) poll_peer_aborts();
     }
   }
   return busy;

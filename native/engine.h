@@ -117,6 +117,7 @@ class Engine {
   const Counters& counters() const { return counters_; }
   std::string abort_message();
   int store_refused_connections() const { return comm_ ? comm_->store_refused_connections() : 0; }
+  int bootstrap_refused_connections() const { return comm_ ? comm_->bootstrap_refused_connections() : 0; }
   void shutdown();
 
  private:
@@ -147,6 +148,9 @@ class Engine {
   void abort_job(const std::exception& ex);
   std::string wait_for_root_cause(double seconds);
   void broadcast_abort(const std::string& cause);
+  // Other ranks: an abort sent directly by a rank other than rank 0 (see broadcast_abort).
+  void poll_peer_aborts();
+  std::vector<bool> quiet_peers_;  // peers whose control connection closed without an abort
 
   // Point-to-point (engine_p2p.cc).
   bool progress_p2p();

@@ -1,6 +1,7 @@
 // Failure propagation: the rank that sees a failure first names it ("rank 3 died during
-// allreduce (detected by rank 2)"), tells the coordinator, which tells everyone, so every
-// rank raises the root cause rather than a secondary "connection closed".
+// allreduce (detected by rank 2)") and tells every other rank on its control channel (rank 0
+// relays it too), so every rank raises the root cause rather than a secondary "connection
+// closed", whether or not rank 0 is alive.
 #include <thread>
 
 #include "engine.h"
@@ -41,14 +42,11 @@ void Engine::broadcast_abort(const std::string& cause) {
   const std::string msg = w.take();
   const uint64_t msg_len = msg.size();
   const std::string len(reinterpret_cast<const char*>(&msg_len), sizeof(msg_len));
-  std::vector<int> targets;
-  if (rank() == 0) {
-    for (int r = 1; r < size(); ++r) targets.push_back(r);
-  } else {
-    targets.push_back(0);
-  }
+  // Every peer, not only rank 0: rank 0 may be the rank that died or stalled, and the
+  // others must still hear the cause rather than only see connections close.
   // Best effort and bounded: a dead or stuck peer must not delay this rank's own failure.
-  for (int r : targets) {
+  for (int r = 0; r < size(); ++r) {
+    if (r == rank()) continue;
     try {
       Channel* ch = comm_->channel(r, kControlChannel);
       std::string frame = len + msg;
@@ -65,15 +63,32 @@ void Engine::broadcast_abort(const std::string& cause) {
   }
 }
 
+void Engine::poll_peer_aborts() {
+  // Other ranks' control channels carry nothing but aborts (negotiation goes through rank 0).
+  // A connection closed without an abort is not a failure by itself: that rank may have
+  // finished (pipeline stages end at different times); if this rank needed it, the
+  // operation that did reports it.
+  std::string msg;
+  if (quiet_peers_.empty()) quiet_peers_.assign(size(), false);
+  for (int r = 1; r < size(); ++r) {
+    if (r == rank() || quiet_peers_[r]) continue;
+    Channel* ch = comm_->channel(r, kControlChannel);
+    try {
+      if (!ch->poll_message(&msg)) continue;
+    } catch (const PeerError&) {
+      quiet_peers_[r] = true;
+      continue;
+    }
+    Reader reader(std::move(msg));
+    if (MessageType(reader.get<uint8_t>()) == MessageType::kAbort) throw PeerError(reader.get_string());
+    throw Error("unexpected control message from rank " + std::to_string(r));
+  }
+}
+
 std::string Engine::wait_for_root_cause(double seconds) {
   auto start = Clock::now();
-  std::vector<int> sources;
-  if (rank() == 0) {
-    for (int r = 1; r < size(); ++r) sources.push_back(r);
-  } else {
-    sources.push_back(0);
-  }
   std::vector<bool> closed(size(), false);
+  closed[rank()] = true;
   std::string msg;
   while (seconds_since(start) < seconds) {
     try {
@@ -81,7 +96,7 @@ std::string Engine::wait_for_root_cause(double seconds) {
     } catch (const PeerError& e) {
       return e.what();  // another local rank's abort, or a local peer that died
     }
-    for (int r : sources) {
+    for (int r = 0; r < size(); ++r) {
       if (closed[r]) continue;
       try {
         Channel* ch = comm_->channel(r, kControlChannel);

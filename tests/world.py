@@ -49,17 +49,24 @@ def run_world(
     kill_after_others: Sequence[int] = (),
     port: Optional[int] = None,
     secret: Optional[str] = None,
+    held: Sequence[int] = (),
+    release=None,
 ) -> List[RankResult]:
     """Runs tests/workers/<worker> as `nranks` ranks split over `hosts` simulated hosts.
     With `gpus`, the ranks see the machine's GPUs and the workers run on them
     (SMDDP_TEST_DEVICE=cuda, one GPU per rank). Ranks in `kill_after_others` (one that stops
     itself, say) are killed once every other rank has exited. `port` and `secret`: the store's
-    (default: a free port, a random secret), for tests that talk to the store themselves."""
+    (default: a free port, a random secret), for tests that talk to the store themselves.
+    Ranks in `held` start only once the event `release` is set (or after the timeout), so a
+    test can act on the others' bootstrap first."""
     port = port or free_port()
     secret = secret or uuid.uuid4().hex
     per_host = (nranks + hosts - 1) // hosts
-    procs = []
-    for rank in range(nranks):
+    procs: Dict[int, subprocess.Popen] = {}
+    launch_order = [r for r in range(nranks) if r not in held] + list(held)
+    for rank in launch_order:
+        if rank in held and release is not None and not release.is_set():
+            release.wait(timeout)
         host = rank // per_host
         local_size = min(per_host, nranks - host * per_host)
         e = dict(os.environ)
@@ -79,8 +86,8 @@ def run_world(
             e["CUDA_VISIBLE_DEVICES"] = ""
         e.update(env or {})
         e.update((per_rank_env or {}).get(rank, {}))
-        procs.append(subprocess.Popen([sys.executable, str(WORKERS / worker), *args], env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs[rank] = subprocess.Popen([sys.executable, str(WORKERS / worker), *args], env=e,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     results = {}
     try:
         order = [r for r in range(nranks) if r not in kill_after_others] + list(kill_after_others)
@@ -91,7 +98,7 @@ def run_world(
             out, err = p.communicate(timeout=timeout)
             results[rank] = RankResult(rank, p.returncode, out, err)
     finally:
-        for p in procs:
+        for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait()

@@ -1,31 +1,41 @@
-"""The last rank is SIGKILLed while every rank loops over large allreduces.
+"""A rank (the last, or VICTIM) is SIGKILLed while every rank loops over large allreduces.
 
-The survivors must raise within SMDDP_TIMEOUT with a message naming the dead rank.
+usage: dead_peer.py before|during [VICTIM]
+The survivors must raise within SMDDP_TIMEOUT with a message naming the dead rank. The
+victim prints FAULT_AT=<wall time> just before it dies and survivors RAISED_AT=<wall time>,
+so bench/fault_detection.py can time how long every rank took to learn of it.
 """
 import os
 import signal
 import sys
 import threading
+import time
 
 import numpy as np
 
 from smdistributed.common import engine
 
 
-def main(mode):
+def die():
+    print(f"FAULT_AT={time.time():.6f}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(mode, victim=None):
     core = engine.init()
     P, me = core.size, core.rank
     x = np.ones(4 << 20, np.float32)
     core.allreduce(x, name="warmup")
-    if me == P - 1:
+    if me == (P - 1 if victim is None else victim):
         if mode == "before":
-            os.kill(os.getpid(), signal.SIGKILL)
+            die()
         # "during": die while the collective below is in flight.
-        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        threading.Timer(0.3, die).start()
     try:
         for i in range(100000):
             core.allreduce(x, name=f"big.{i % 2}")
     except engine.SmddpError as e:
+        print(f"RAISED_AT={time.time():.6f}", flush=True)
         print("RAISED: " + str(e), flush=True)
         # Later calls fail at once with the same reason instead of hanging.
         try:
@@ -37,4 +47,4 @@ def main(mode):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -29,6 +29,7 @@ def main(seconds):
         time.sleep(0.02)
     if core.rank == 0:
         print(f"REFUSED={core.store_refused_connections()} STEPS={step}", flush=True)
+    print(f"BOOTSTRAP_REFUSED={core.bootstrap_refused_connections()}", flush=True)
     engine.shutdown()
 
 

@@ -41,6 +41,15 @@ def test_errors_raise_on_every_rank(tmp_path):
         assert "CHECK errors ok" in r.stdout and "CHECK missing ok" in r.stdout, r.output
 
 
+def test_dtype_codes_do_not_depend_on_history():
+    """Rank 0 reduces a float64 tensor before a float32 + float64 group, rank 1 the group
+    first: the dtype codes of the shapes check come from the core's DType, so both ranks code
+    the group alike (codes numbered by first meeting made this a false mismatch)."""
+    results = run_world(2, "tf_dtype_history.py", env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert_all_ok(results)
+    assert all("DTYPE HISTORY OK" in r.stdout for r in results)
+
+
 def test_single_process_without_torch():
     """The frontend imports and trains with torch unimportable, in a plain `python` process
     (a world of one)."""

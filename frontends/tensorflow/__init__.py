@@ -15,13 +15,14 @@ memory; inside `tf.function` they are `tf.numpy_function` ops (not XLA-compilabl
 package does not import torch.
 """
 from .compression import Compression, Compressor, FP16Compressor, NoneCompressor
-from .ops import (ProcessSet, add_process_set, allgather, allgather_object, allreduce, alltoall, barrier,
-                  broadcast, broadcast_global_variables, broadcast_object, broadcast_object_fn, broadcast_variables,
-                  global_process_set, grouped_allreduce, join, local_rank_op, local_size_op, oob_allreduce, overlap,
-                  rank_op, reducescatter, remove_process_set, size_op)
+from .ops import (allgather, allgather_object, allreduce, alltoall, barrier, broadcast, broadcast_global_variables,
+                  broadcast_object, broadcast_object_fn, broadcast_variables, grouped_allreduce, join, local_rank_op,
+                  local_size_op, oob_allreduce, overlap, rank_op, reducescatter, size_op)
 from .optimizer import BroadcastGlobalVariablesHook, DistributedOptimizer
-from .runtime import (AlreadyInitializedError, NotInitializedError, ReduceOp, SmddpError, cross_rank, cross_size,
-                      init, is_homogeneous, is_initialized, local_rank, local_size, rank, shutdown, size)
+from .reduce_ops import ReduceOp
+from .runtime import (AlreadyInitializedError, NotInitializedError, ProcessSet, SmddpError, add_process_set,
+                      cross_rank, cross_size, global_process_set, init, is_homogeneous, is_initialized, local_rank,
+                      local_size, rank, remove_process_set, shutdown, size)
 from .tape import DistributedGradientTape
 
 # Horovod's names for the reduce ops.

@@ -13,7 +13,9 @@ import tensorflow as tf
 from .compression import Compression
 from .consistency import reduction_guard
 from .ops import reduce_tensors
-from .runtime import ReduceOp, check_process_set, no_autograph, resolve_op, size
+from .bridge import no_autograph
+from .reduce_ops import ReduceOp, resolve_op
+from .runtime import check_process_set, size
 
 
 class GradientReducer:

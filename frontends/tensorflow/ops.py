@@ -1,9 +1,11 @@
-"""Collectives on TensorFlow tensors, eager or inside `tf.function`.
+"""The collectives API on TensorFlow tensors, eager or inside `tf.function`.
 
 Each public function turns its tensors into one call into the engine (see
-`runtime.run_collective`): several tensors of one call are submitted together without
+`bridge.run_collective`): several tensors of one call are submitted together without
 waiting and then awaited, so the engine can fuse them. Dense allreduce, allgather and
 broadcast are differentiable (their gradients are the matching collectives), as in Horovod.
+How a grouped reduction's tensors are packed is in buckets.py; the check that every rank
+passed the same tensors, and its error, in mismatch.py.
 """
 from __future__ import annotations
 
@@ -16,31 +18,13 @@ import tensorflow as tf
 
 from smdistributed.common.config import default_bucket_bytes
 
+from .bridge import check_dtype, empty_aligned, no_autograph, run_collective, wait_all
+from .buckets import submit_dense
 from .compression import Compression, NoneCompressor
-from .runtime import (ReduceOp, SmddpError, check_dtype, check_process_set, core, empty_aligned, no_autograph, op_name, rank,
-                      resolve_op, run_collective, size, wait_all)
-
-
-class ProcessSet:
-    """Horovod's process sets; only the global one (all ranks) exists here."""
-
-    def __init__(self, ranks=None):
-        if ranks is not None:
-            raise NotImplementedError("process sets other than the global one are not supported")
-
-    def __repr__(self):
-        return "ProcessSet(global)"
-
-
-global_process_set = ProcessSet()
-
-
-def add_process_set(process_set):
-    raise NotImplementedError("process sets other than the global one are not supported")
-
-
-def remove_process_set(process_set):
-    raise NotImplementedError("process sets other than the global one are not supported")
+from .mismatch import mismatch_error, signature
+from .naming import op_name
+from .reduce_ops import ReduceOp, resolve_op
+from .runtime import SmddpError, check_process_set, core, rank, size
 
 
 def _as_tensor(x):
@@ -60,92 +44,6 @@ def _check_root(root_rank: int) -> int:
 # ---- grouped reduction (dense allreduce + sparse allgather in one engine call) ------------
 
 
-
-def _aligned(nbytes: int) -> int:
-    return (nbytes + 63) // 64 * 64
-
-
-_DTYPE_CODES = {}
-
-
-def _signature(arrays):
-    """What every rank's tensors of one call must agree on (count, dtypes, shapes) as int64s
-    x and -x: their MAX over ranks equals x on every rank exactly when all ranks agree, so a
-    disagreement is seen by every rank (packing hides shapes from the engine's own check)."""
-    parts = [len(arrays)]
-    for a in arrays:
-        code = _DTYPE_CODES.setdefault(a.dtype.name, len(_DTYPE_CODES) + 1)
-        parts += [code, a.ndim, *a.shape]
-    x = np.array(parts, np.int64)
-    return np.concatenate([x, -x]), np.empty(2 * len(x), np.int64)
-
-
-def _mismatch_error(c, base, arrays, sig, sig_out, error):
-    shapes = ", ".join(f"{a.dtype.name}{list(a.shape)}" for a in arrays[:16]) + (" ..." if len(arrays) > 16 else "")
-    if error is not None:
-        return SmddpError(f"{error} [in '{base}': {len(arrays)} dense tensors, packed by dtype; shapes on rank "
-                          f"{c.rank}: {shapes}]")
-    n = len(sig) // 2
-    pos = int(np.flatnonzero((sig_out[:n] != sig[:n]) | (sig_out[n:] != sig[n:]))[0])
-    lo, hi = -int(sig_out[n + pos]), int(sig_out[pos])
-    what, p = f"the number of tensors ({len(arrays)} here, {lo}..{hi} over ranks)", 1
-    for i, a in enumerate(arrays):
-        fields = ["dtype", "rank"] + [f"dimension {d}" for d in range(a.ndim)]
-        if p <= pos < p + len(fields):
-            field = fields[pos - p]
-            here = a.dtype.name if field == "dtype" else int(sig[pos])
-            span = "differs between ranks" if field == "dtype" else f"is {here} here, {lo}..{hi} over ranks"
-            what = f"tensor {i} ({a.dtype.name}{list(a.shape)} here): its {field} {span}"
-            break
-        p += len(fields)
-    return SmddpError(f"'{base}': the ranks' tensors do not match: {what}. Shapes on rank {c.rank}: {shapes}")
-
-
-def _submit_dense(c, arrays, op_str, base, pre, post, cap, works) -> list:
-    """Submits the allreduces of `arrays` and returns their output arrays (filled on completion).
-
-    Tensors smaller than `cap` bytes are packed, in order, into buckets of one dtype of up to
-    `cap` bytes (each tensor 64-byte aligned in the bucket), and each bucket is reduced in
-    place as one tensor: one submission per bucket, so the fusion does not depend on when the
-    engine thread wakes, one copy in and none out (the outputs are aligned views of the
-    bucket, which TensorFlow adopts without copying). Larger tensors go alone, out of place.
-    They are submitted first, so the engine starts on them while Python packs the buckets.
-    """
-    outs = [None] * len(arrays)
-    buckets, order = {}, []  # dtype -> open bucket; buckets in creation order
-    for i, a in enumerate(arrays):
-        if a.nbytes == 0:
-            outs[i] = np.empty(a.shape, a.dtype)  # nothing to reduce
-            continue
-        if a.nbytes >= cap:
-            outs[i] = empty_aligned(a.shape, a.dtype)
-            works.append(c.allreduce(a, op_str, name=f"{base}.t{i}", out=outs[i], prescale=pre, postscale=post,
-                                     async_op=True))
-            continue
-        b = buckets.get(a.dtype)
-        if b is None or b["bytes"] + _aligned(a.nbytes) > cap:
-            b = {"dtype": a.dtype, "bytes": 0, "members": []}
-            buckets[a.dtype] = b
-            order.append(b)
-        b["members"].append((i, b["bytes"]))
-        b["bytes"] += _aligned(a.nbytes)
-    for k, b in enumerate(order):
-        raw = empty_aligned((b["bytes"],), np.uint8, always=True)
-        end = 0
-        for i, off in b["members"]:
-            a = arrays[i]
-            raw[end:off] = 0  # padding: reduced along, never read
-            view = raw[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
-            np.copyto(view, a)
-            outs[i] = view
-            end = off + a.nbytes
-        raw[end:] = 0
-        works.append(c.allreduce(raw.view(b["dtype"]), op_str, name=f"{base}.b{k}", prescale=pre, postscale=post,
-                                 async_op=True))
-    return outs
-
-
-
 @no_autograph
 def reduce_tensors(tensors: Sequence, *, op=ReduceOp.AVERAGE, compression=Compression.none,
                    sparse_as_dense: bool = False, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
@@ -154,7 +52,7 @@ def reduce_tensors(tensors: Sequence, *, op=ReduceOp.AVERAGE, compression=Compre
     """Reduces a list of tensors (None entries stay None) in one hand-off to the engine.
 
     Dense tensors are allreduced (compressed for the wire first), packed into buckets of up
-    to `bucket_bytes` per dtype (see `_submit_dense`); `tf.IndexedSlices` are densified when
+    to `bucket_bytes` per dtype (see buckets.py); `tf.IndexedSlices` are densified when
     `sparse_as_dense`, otherwise their values and indices are allgathered and the values
     divided by the world size for AVERAGE, which represents the same sum.
     """
@@ -200,9 +98,9 @@ def reduce_tensors(tensors: Sequence, *, op=ReduceOp.AVERAGE, compression=Compre
         dense = arrays[:n_dense]
         outs, works, sig_work = [], [], None
         try:
-            sig, sig_out = _signature(dense)
+            sig, sig_out = signature(dense)
             sig_work = c.allreduce(sig, "max", name=f"{base}.shapes", out=sig_out, async_op=True)
-            outs = _submit_dense(c, dense, op_str, base, pre, post, cap, works)
+            outs = submit_dense(c, dense, op_str, base, pre, post, cap, works)
             for j in range(len(sparse_in)):
                 for part, a in (("values", arrays[n_dense + 2 * j]), ("indices", arrays[n_dense + 2 * j + 1])):
                     works.append(c.allgather(a, name=f"{base}.sparse{j}.{part}", async_op=True))
@@ -219,7 +117,7 @@ def reduce_tensors(tensors: Sequence, *, op=ReduceOp.AVERAGE, compression=Compre
         except SmddpError as e:
             sig_error = sig_error or e
         if sig_error is not None or not np.array_equal(sig_out, sig):
-            raise _mismatch_error(c, base, dense, sig, sig_out, sig_error)
+            raise mismatch_error(c, base, dense, sig, sig_out, sig_error)
         return outs + done[len(works) - 2 * len(sparse_in):]
 
     inputs = list(dense_in)

@@ -9,7 +9,8 @@ import tensorflow as tf
 from .compression import Compression
 from .gradients import GradientReducer
 from .ops import broadcast_global_variables
-from .runtime import ReduceOp, no_autograph
+from .bridge import no_autograph
+from .reduce_ops import ReduceOp
 
 from .keras_flavour import is_keras2, keras as _active_keras, optimizer_base_classes
 

@@ -1,30 +1,20 @@
-"""Process state of the TensorFlow frontend: init/shutdown, the world, operation names, the bridge.
+"""Process state of the TensorFlow frontend: init/shutdown, the world, the process sets.
 
-Everything here is plain Python over `smdistributed.common.engine` (numpy based). The one
-piece that touches TensorFlow's execution is `run_collective`: eagerly it calls the engine
-on the tensors' numpy views directly; inside a `tf.function` (or a TF1 graph) it inserts one
-`tf.numpy_function` op that does the same when the graph runs, and gives the outputs back
-their static shapes.
+This module holds what one process knows about the job (its engine, rank, size, the cross
+communicator's shape); the only collective it runs is init's exchange of that shape. The
+operations (ops.py) read the state through `core()`.
 """
 from __future__ import annotations
 
-import enum
 import os
 import threading
-import weakref
-from typing import Callable, List, Optional, Sequence
+from typing import Optional
 
 import numpy as np
-import tensorflow as tf
 
 from smdistributed.common import engine
 
 SmddpError = engine.SmddpError
-
-# The library's functions are plain Python around one numpy_function per call; autograph
-# must not rewrite them (it would also rewrite the Python that runs inside numpy_function at
-# every step, which measured 2-3x slower).
-no_autograph = tf.autograph.experimental.do_not_convert
 
 
 class NotInitializedError(ValueError, RuntimeError):
@@ -144,226 +134,35 @@ def is_homogeneous() -> bool:
     return _state.homogeneous
 
 
-# ---- reduce ops --------------------------------------------------------------------------
+# ---- process sets ------------------------------------------------------------------------
+#
+# Horovod's process sets name subsets of ranks; this library runs every operation on all
+# ranks, so the only set is the global one and the calls that would make others refuse.
 
 
-class ReduceOp(enum.Enum):
-    """Reductions. SMDDP's names (AVERAGE, SUM, MIN, MAX) plus PRODUCT; Horovod's module
-    constants `Average, Sum, Min, Max, Product` are these members."""
+class ProcessSet:
+    """Horovod's process sets; only the global one (all ranks) exists here."""
 
-    AVERAGE = "average"
-    SUM = "sum"
-    MIN = "min"
-    MAX = "max"
-    PRODUCT = "product"
-    ADASUM = "adasum"
+    def __init__(self, ranks=None):
+        if ranks is not None:
+            raise NotImplementedError("process sets other than the global one are not supported")
 
     def __repr__(self):
-        return f"ReduceOp.{self.name}"
+        return "ProcessSet(global)"
 
 
-def resolve_op(op, average=None) -> ReduceOp:
-    """`op` (a ReduceOp, its name, or None) combined with Horovod's deprecated `average=`."""
-    if op is not None and average is not None:
-        raise ValueError("pass either op= or the deprecated average=, not both")
-    if op is None:
-        op = ReduceOp.SUM if average is False else ReduceOp.AVERAGE
-    if isinstance(op, str):
-        key = op.strip().upper()
-        key = {"AVG": "AVERAGE", "MEAN": "AVERAGE", "PROD": "PRODUCT"}.get(key, key)
-        try:
-            op = ReduceOp[key]
-        except KeyError:
-            raise ValueError(f"unknown reduce op {op!r}; use ReduceOp.AVERAGE, SUM, MIN, MAX or PRODUCT") from None
-    if not isinstance(op, ReduceOp):
-        raise ValueError(f"unknown reduce op {op!r}; use ReduceOp.AVERAGE, SUM, MIN, MAX or PRODUCT")
-    if op is ReduceOp.ADASUM:
-        raise NotImplementedError("the Adasum reduction is not implemented; use ReduceOp.AVERAGE or SUM")
-    return op
+global_process_set = ProcessSet()
+
+
+def add_process_set(process_set):
+    raise NotImplementedError("process sets other than the global one are not supported")
+
+
+def remove_process_set(process_set):
+    raise NotImplementedError("process sets other than the global one are not supported")
 
 
 def check_process_set(process_set) -> None:
-    from .ops import global_process_set
-
     if process_set is not None and process_set is not global_process_set:
         raise NotImplementedError("process sets are not supported: every operation spans all ranks "
                                   "(pass global_process_set or nothing)")
-
-
-# ---- names -------------------------------------------------------------------------------
-#
-# Ranks match operations by name. Eagerly, an unnamed operation takes the next number of a
-# per-kind call counter (ranks run the same code, so the n-th call is the same operation on
-# every rank). In a graph, the name is fixed when the op is traced: the outermost function's
-# name plus a counter of the collectives traced into that function so far. Retracing a
-# function starts its counter again, so names do not depend on how often a rank traced, and
-# the ops of one function run in program order (TensorFlow chains stateful ops), so a name
-# is never in flight twice.
-
-_graph_counters: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_graph_lock = threading.Lock()
-
-
-try:
-    from tensorflow.python.framework.func_graph import FuncGraph as _FuncGraph
-except ImportError:  # pragma: no cover
-    _FuncGraph = None
-
-
-def _is_func_graph(graph) -> bool:
-    if _FuncGraph is not None:
-        return isinstance(graph, _FuncGraph)
-    return type(graph).__name__ == "FuncGraph"
-
-
-def _outermost_graph(graph):
-    while _is_func_graph(graph):
-        outer = getattr(graph, "outer_graph", None)
-        if outer is None or not _is_func_graph(outer):
-            return graph
-        graph = outer
-    return graph
-
-
-def _safe(s: str) -> str:
-    return "".join(c if c.isalnum() or c in "._-/" else "_" for c in s)
-
-
-def op_name(kind: str, name: Optional[str] = None) -> str:
-    """A name for a collective that is the same on every rank (see above)."""
-    if name is not None:
-        return f"tf.{kind}.{name}"
-    if tf.executing_eagerly():
-        return core()._auto_name(f"tf.{kind}", None)
-    graph = tf.compat.v1.get_default_graph()
-    top = _outermost_graph(graph)
-    with _graph_lock:
-        n = _graph_counters.get(top, 0)
-        _graph_counters[top] = n + 1
-    label = _safe(getattr(top, "name", "") or "graph") if _is_func_graph(top) else "graph"
-    return f"tf.{kind}.{label}.{n}"
-
-
-# ---- the bridge into the engine ----------------------------------------------------------
-
-SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int32, tf.int64,
-                    tf.bool)
-
-
-def check_dtype(tensor, what: str = "tensor") -> None:
-    if tensor.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{what} has dtype {tensor.dtype.name}, which the engine does not reduce or move; "
-                        "supported: float16, bfloat16, float32, float64, int8, uint8, int32, int64, bool")
-
-
-def _check_not_xla() -> None:
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover
-        return
-    graph = tf.compat.v1.get_default_graph()
-    if control_flow_util.GraphOrParentsInXlaContext(graph):
-        raise RuntimeError(
-            "smdistributed.dataparallel.tensorflow collectives cannot run inside an XLA-compiled function "
-            "(jit_compile=True): compile the model with jit_compile=False (Keras: model.compile(..., "
-            "jit_compile=False)) or call the collective outside the compiled function")
-
-
-_ALIGN = 64  # bytes: TensorFlow's buffer alignment (EIGEN_MAX_ALIGN_BYTES on AVX-512 builds)
-
-
-def eager_to_numpy(t) -> np.ndarray:
-    """A numpy view of an eager tensor's buffer (no copy; `.numpy()` copies). Read only by
-    the engine."""
-    view = getattr(t, "_numpy", None)
-    if view is not None:
-        try:
-            return view()
-        except Exception:  # noqa: BLE001 - e.g. a tensor on another device: copy below
-            pass
-    return t.numpy() if hasattr(t, "numpy") else np.asarray(t)
-
-
-def numpy_to_eager(a: np.ndarray, dtype) -> tf.Tensor:
-    """An eager tensor over the array's buffer when it is 64-byte aligned (DLPack, no copy;
-    converting copies: 17 ms for 50 MB here); bfloat16, which numpy cannot export, goes as
-    uint16 and is bitcast. Unaligned arrays are copied (TF kernels check alignment)."""
-    if a.ctypes.data % _ALIGN:
-        return tf.convert_to_tensor(a, dtype=dtype)  # TF kernels require aligned buffers
-    try:
-        if a.dtype.name == "bfloat16":
-            return tf.bitcast(tf.experimental.dlpack.from_dlpack(a.view(np.uint16).__dlpack__()), tf.bfloat16)
-        t = tf.experimental.dlpack.from_dlpack(a.__dlpack__())
-        if t.dtype == dtype:
-            return t
-    except Exception:  # noqa: BLE001 - no DLPack for this dtype or version: copy
-        pass
-    return tf.convert_to_tensor(a, dtype=dtype)
-
-
-def run_collective(fn: Callable[..., Sequence[np.ndarray]], inputs: Sequence[tf.Tensor], out_dtypes: List,
-                   out_shapes: List, name: str = "smddp") -> List[tf.Tensor]:
-    """Runs `fn(*numpy_inputs) -> numpy outputs` now (eager) or when the graph runs."""
-    body0 = fn
-
-    def fn(*arrays):  # 0-d tensors arrive as numpy scalars (eagerly and in numpy_function)
-        return body0(*[a if isinstance(a, np.ndarray) else np.asarray(a) for a in arrays])
-
-    if tf.executing_eagerly():
-        outs = fn(*[eager_to_numpy(t) for t in inputs])
-        return [numpy_to_eager(o, d) for o, d in zip(outs, out_dtypes)]
-    _check_not_xla()
-
-    if not out_dtypes:
-        # numpy_function needs an output: a dummy int8 scalar, returned so that callers can
-        # depend on it (TF1 graphs) or ignore it (tf.function runs stateful ops anyway).
-        body = fn
-
-        def fn(*arrays):
-            body(*arrays)
-            return np.zeros((), np.int8)
-
-        out = tf.numpy_function(fn, list(inputs), tf.int8, stateful=True, name=name)
-        out.set_shape([])
-        return [out]
-    outs = tf.numpy_function(fn, list(inputs), list(out_dtypes), stateful=True, name=name)
-    if not isinstance(outs, (list, tuple)):
-        outs = [outs]
-    outs = list(outs)
-    for o, s in zip(outs, out_shapes):
-        if s is not None:
-            o.set_shape(s)
-    return outs
-
-
-# TensorFlow adopts a numpy_function's output buffer without copying only when it is aligned
-# to its allocator's alignment (64 bytes with AVX-512 builds; _ALIGN above); numpy only
-# guarantees 16. Measured: a 50 MB output costs 3.8 ms copied and 0.6 ms adopted.
-
-
-def empty_aligned(shape, dtype, always: bool = False) -> np.ndarray:
-    """An uninitialised array whose data starts on a 64-byte boundary (below 4 KiB only when
-    `always`)."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if nbytes < 4096 and not always:
-        return np.empty(shape, dtype)  # small: a copy is cheaper than the padding
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    offset = (-raw.ctypes.data) % _ALIGN
-    return raw[offset:offset + nbytes].view(dtype).reshape(shape)
-
-
-def wait_all(works) -> list:
-    """Waits for every Work (even after one fails, so no buffer is freed while the engine still
-    uses it) and returns their results, raising the first failure afterwards."""
-    results, first_error = [], None
-    for w in works:
-        try:
-            results.append(w.wait())
-        except Exception as e:  # noqa: BLE001
-            results.append(None)
-            if first_error is None:
-                first_error = e
-    if first_error is not None:
-        raise first_error
-    return results

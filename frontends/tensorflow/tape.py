@@ -7,7 +7,8 @@ import tensorflow as tf
 
 from .compression import Compression
 from .gradients import GradientReducer
-from .runtime import ReduceOp, no_autograph
+from .bridge import no_autograph
+from .reduce_ops import ReduceOp
 
 _classes = {}
 _classes_lock = threading.Lock()

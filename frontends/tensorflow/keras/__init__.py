@@ -14,8 +14,9 @@ import tensorflow as tf
 from .. import ops as _ops
 from .. import optimizer as _optimizer
 from ..compression import Compression
-from ..runtime import (AlreadyInitializedError, NotInitializedError, ReduceOp, cross_rank, cross_size, init,
-                       is_homogeneous, is_initialized, local_rank, local_size, rank, shutdown, size)
+from ..reduce_ops import ReduceOp
+from ..runtime import (AlreadyInitializedError, NotInitializedError, cross_rank, cross_size, init, is_homogeneous,
+                       is_initialized, local_rank, local_size, rank, shutdown, size)
 from . import callbacks
 
 Average = ReduceOp.AVERAGE

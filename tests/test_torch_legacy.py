@@ -30,3 +30,11 @@ def test_legacy_ddp_equals_torch_ddp_step_by_step():
     assert_all_ok(results)
     for r in results:
         assert r.stdout.count("LEGACY VS NCCL OK") == 5, r.output
+
+
+def test_legacy_ddp_leaves_the_group_fusion_threshold():
+    """bucket_cap_mb no longer sets the process group's fusion threshold: another user of the
+    group still fuses by the group's, and the wrapper sends one operation per bucket."""
+    results = run_world(2, "torch_legacy.py", ["ddp-group-threshold"])
+    assert_all_ok(results)
+    assert all("LEGACY DDP OK" in r.stdout for r in results)

@@ -1,7 +1,7 @@
 """The older API: every smdistributed.dataparallel.torch.distributed function, and the
 library's DistributedDataParallel trained 5 steps against single-process training.
 
-Usage: torch_legacy.py api | ddp | ddp-nosync | ddp-unused
+Usage: torch_legacy.py api | ddp | ddp-nosync | ddp-unused | ddp-buffers | ddp-group-threshold
 """
 import sys
 import warnings
@@ -131,6 +131,42 @@ def check_buffers():
     print("LEGACY DDP OK", flush=True)
 
 
+def check_group_threshold():
+    """bucket_cap_mb is the wrapper's own: the process group's fusion threshold stays as it
+    was, so another user of the group still fuses by it, while the wrapper submits one engine
+    operation per bucket of at most its cap."""
+    import numpy as np
+
+    from smdistributed.dataparallel.torch.process_group import smddp_group
+
+    group = smddp_group()
+    core = group._core
+    threshold = group._engine.fusion_threshold
+    model, data = model_and_data(0)
+    ddp = DDP(model, bucket_cap_mb=0.0005)  # 524 bytes: this model's gradients in two buckets
+    assert group._engine.fusion_threshold == threshold, (group._engine.fusion_threshold, threshold)
+    # Another user of the group: two 1 KiB allreduces submitted together travel as one fused
+    # transfer (a 524-byte threshold would have sent them apart).
+    before = core.counters()["fused_responses"]
+    arrays = [np.ones(256, np.float32), np.full(256, 2.0, np.float32)]
+    with core.batch():
+        works = [core.allreduce(a, name=f"other_user.{i}", async_op=True) for i, a in enumerate(arrays)]
+    for w in works:
+        w.wait()
+    assert core.counters()["fused_responses"] - before == 1, core.counters()
+    assert np.all(arrays[0] == P) and np.all(arrays[1] == 2 * P)
+    # The wrapper's own reductions: one per bucket, none over its cap.
+    sizes = ddp._strategy.bucket_sizes
+    assert len(sizes) == 2 and max(sizes) <= 524, sizes
+    x, y = data[0]
+    mine = slice(4 * me, 4 * me + 4)
+    before = core.counters()["submitted"]
+    torch.nn.functional.mse_loss(ddp(x[mine]), y[mine]).backward()
+    assert core.counters()["submitted"] - before == 2, core.counters()
+    assert group._engine.fusion_threshold == threshold
+    print("LEGACY DDP OK", flush=True)
+
+
 if CASE == "api":
     check_api()
 elif CASE == "ddp":
@@ -141,3 +177,5 @@ elif CASE == "ddp-unused":
     check_ddp(1, True)
 elif CASE == "ddp-buffers":
     check_buffers()
+elif CASE == "ddp-group-threshold":
+    check_group_threshold()

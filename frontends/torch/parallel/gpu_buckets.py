@@ -28,11 +28,10 @@ from typing import Dict, List, Optional
 import torch
 
 from smdistributed import _core
+from smdistributed.common.bucket_plan import FIRST_BUCKET_BYTES, plan_buckets
 
 from ..cuda_collectives import current_stream
 from ..tensors import core_dtype
-
-FIRST_BUCKET_BYTES = 1 << 20
 
 
 class _Bucket:
@@ -55,23 +54,18 @@ class GpuGradientBuckets:
                  reduce_dtype: Optional[torch.dtype] = None, overlap: bool = True):
         self._gpu = collectives
         self.overlap = overlap
-        self._buckets: List[_Bucket] = []
         self._where: Dict[int, _Bucket] = {}  # id(param) -> its bucket
         if not overlap:
-            bucket_cap_bytes = 1 << 62  # one bucket per dtype
-        cap = min(FIRST_BUCKET_BYTES, bucket_cap_bytes)
-        group: List[torch.nn.Parameter] = []
-        size = 0
-        for p in list(named_params.values())[::-1]:
+            # No cap: one bucket per run of one dtype (the planner still keeps the first small).
+            bucket_cap_bytes = 1 << 62
+        params = list(named_params.values())
+        for p in params:
             core_dtype(p)
-            nbytes = p.numel() * p.element_size()
-            if group and (size + nbytes > cap or group[0].dtype != p.dtype):
-                self._buckets.append(_Bucket(group, reduce_dtype))
-                group, size, cap = [], 0, bucket_cap_bytes
-            group.append(p)
-            size += nbytes
-        if group:
-            self._buckets.append(_Bucket(group, reduce_dtype))
+        # Reverse parameter order, the order backward produces gradients; a bucket holds one
+        # run of one dtype, so buckets fill (and launch) in that order.
+        plan = plan_buckets([p.numel() * p.element_size() for p in params], [p.dtype for p in params],
+                            bucket_cap_bytes, first_cap=FIRST_BUCKET_BYTES, reverse=True, dtype_runs=True)
+        self._buckets: List[_Bucket] = [_Bucket([params[i] for i in bucket], reduce_dtype) for bucket in plan]
         for b in self._buckets:
             for p in b.params:
                 self._where[id(p)] = b

@@ -66,7 +66,7 @@ class DistributedModel(nn.Module):
         self._owner_of_param: Dict[int, int] = {}
         self._assignment: Dict[str, int] = {}
         self._post_partition_hooks: "OrderedDict[int, Any]" = OrderedDict()
-        self._pending_state: Optional[Tuple[Dict[str, Any], bool]] = None
+        self._pending_state: Optional[Tuple[Dict[str, Any], bool, bool]] = None  # (state, strict, partial)
         self._runtime: Optional[PipelineRuntime] = None
         self._steps_with_backward = 0
         self._joining = False
@@ -150,38 +150,37 @@ class DistributedModel(nn.Module):
             yield b
 
     def local_state_dict(self) -> Dict[str, Any]:
+        return partial_state.mark(self._local_state())
+
+    def _local_state(self) -> "OrderedDict[str, torch.Tensor]":
+        """This partition's parameters and buffers (detached), without the partial marks."""
         self._require_partitioned("local_state_dict")
         local = {id(t) for t in [*self.local_parameters(), *self.local_buffers()]}
-        out: Dict[str, Any] = OrderedDict(
-            (k, v) for k, v in self.module.state_dict(keep_vars=True).items() if id(v) in local)
-        return partial_state.mark(OrderedDict((k, v.detach()) for k, v in out.items()))
+        return OrderedDict((k, v.detach()) for k, v in self.module.state_dict(keep_vars=True).items()
+                           if id(v) in local)
 
     def state_dict(self, *args, **kwargs):
         """The whole model's state with the unwrapped module's keys, gathered from every
         pipeline rank (every rank of the pipeline group must call it)."""
         if not self._partitioned:
             return self.module.state_dict(*args, **kwargs)
-        local = partial_state.unmark(dict(self.local_state_dict()))
         full = self.module.state_dict()
-        full.update(merge_over_pipeline(local))
+        full.update(merge_over_pipeline(self._local_state()))
         return full
 
     def load_state_dict(self, state_dict, strict: bool = True):
         sd = dict(state_dict)
         partial = partial_state.take(sd, "DistributedModel.load_state_dict")
+        if not self._partitioned:
+            self._pending_state = (sd, strict, partial)
+            return None
+        local = set(self._local_state())
         if partial:
-            if not self._partitioned:
-                self._pending_state = (sd, strict, True)
-                return None
-            local = set(partial_state.unmark(dict(self.local_state_dict())))
             if everyone_has_own_part(set(sd) == local):  # the usual case: no tensor moves
                 missing, unexpected = self.module.load_state_dict(sd, strict=False)
                 assert not unexpected and not local.intersection(missing), (unexpected, missing)
                 return None
             sd = merge_over_pipeline(sd)  # saved under another assignment of modules to partitions
-        if not self._partitioned:
-            self._pending_state = (sd, strict, False)
-            return None
         # A full state: only this partition's entries are copied (the other partitions' live on
         # their ranks; copying them here would read and write the whole model on every rank).
         expected = set(self.module.state_dict())
@@ -190,7 +189,6 @@ class DistributedModel(nn.Module):
             raise RuntimeError(f"smp: DistributedModel.load_state_dict: missing keys {missing[:8]}, unexpected keys "
                                f"{unexpected[:8]}" + (" (more not shown)" if len(missing) > 8 or len(unexpected) > 8
                                                        else ""))
-        local = set(partial_state.unmark(dict(self.local_state_dict())))
         return self.module.load_state_dict({k: v for k, v in sd.items() if k in local or k not in expected},
                                            strict=False)
 

@@ -4,8 +4,8 @@ merge is needed at all.
 A 1B-parameter model's state is gigabytes: pickling it through all_gather_object costs a
 pickle, a padded byte tensor per rank on every rank and an unpickle. Instead only the layout
 (keys, dtypes, shapes, and any non-tensor values) goes through all_gather_object; each rank's
-tensors then travel as one byte buffer per dtype-aligned pack, broadcast from their owner,
-and are cut back into tensors on the receivers.
+tensors then travel as one byte pack (each tensor aligned), broadcast from their owner, and
+become views of that pack on the receivers.
 """
 from __future__ import annotations
 
@@ -45,26 +45,27 @@ def merge_over_pipeline(part: dict) -> dict:
     me, size = state.topo.pp_rank, state.topo.pp_size
     entries = [(path, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for path, v in _flatten(part)]
     if size == 1:
-        return part_from(entries)
+        return _nest(entries)
     tensors = [(path, v) for path, v in entries if _packable(v)]
     layout = [(path, ("tensor", v.dtype, tuple(v.shape)) if _packable(v) else ("value", v)) for path, v in entries]
     layouts: List[Any] = [None] * size
     dist.all_gather_object(layouts, layout, group=state.pp_group)
     ranks = dist.get_process_group_ranks(state.pp_group)
     merged: Dict[Any, Any] = {}
-    for r in range(size):
+    for r in range(size):  # rank by rank, the owner broadcasting its pack to the others
         if r == me:
+            if tensors:
+                _send(tensors, ranks[r])
             rank_entries = entries
+        elif any(spec[0] == "tensor" for _, spec in layouts[r]):
+            rank_entries = _receive(layouts[r], ranks[r])
         else:
-            rank_entries = _receive(layouts[r], ranks[r]) if any(k == "tensor" for _, (k, *_) in layouts[r]) else \
-                [(path, spec[1]) for path, spec in layouts[r]]
-        if r == me and tensors:
-            _send(tensors, ranks[r])
-        merged.update(part_from(rank_entries))
+            rank_entries = [(path, spec[1]) for path, spec in layouts[r]]
+        merged.update(_nest(rank_entries))
     return merged
 
 
-def part_from(entries: List[Tuple[Tuple, Any]]) -> dict:
+def _nest(entries: List[Tuple[Tuple, Any]]) -> dict:
     out: dict = {}
     for path, v in entries:
         _assign(out, path, v)

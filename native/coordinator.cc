@@ -123,8 +123,9 @@ void Coordinator::add_ready(const std::string& name, Tally t, int64_t fusion_byt
     m.responses.push_back(error_response(name, sig, mismatch));
     return;
   }
-  if (sig.op == OpType::kAllgather || sig.op == OpType::kAlltoall) {
-    // Only all announcements together tell whether every receiver's output fits.
+  if ((sig.op == OpType::kAllgather || sig.op == OpType::kAlltoall) && !sig.check_only) {
+    // Only all announcements together tell whether every receiver's output fits. (A
+    // check-only entry moves no bytes through the engine: NCCL's sizes are checked apart.)
     std::string bad = check_ragged(name, sig, t.per_rank, size_);
     if (!bad.empty()) {
       m.responses.push_back(error_response(name, sig, bad));
@@ -150,8 +151,10 @@ void Coordinator::add_ready(const std::string& name, Tally t, int64_t fusion_byt
       return;
     }
     // A new bucket; it replaces the full one of its kind as the one open for fusion.
-    if (fit) *fit = {m.responses.size(), bytes};
-    else open_.push_back({m.responses.size(), bytes});
+    if (fit)
+      *fit = {m.responses.size(), bytes};
+    else
+      open_.push_back({m.responses.size(), bytes});
   }
   Response r;
   r.sig = sig;

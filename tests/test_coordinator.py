@@ -109,6 +109,16 @@ def test_check_only_entries_are_answered_and_cached_but_never_fused():
     assert all(r.cache_ids[0] != NONE for r in m.responses)
 
 
+def test_check_only_gathers_carry_no_ragged_record():
+    """The CUDA path's check-only allgather announces only its (engine-owned) capacity: the
+    coordinator answers it without the ragged-size check that engine-run gathers get."""
+    c = neg.Coordinator(2, 16, stall_timeout=30)
+    g = sig((2,), op=OpType.ALLGATHER, check_only=True)
+    everyone(c, [[full("cuda.all_gather#0", g, [-1])]] * 2)
+    (r,) = c.respond(1 << 20, 0).responses
+    assert not r.is_error and r.names == ["cuda.all_gather#0"], r.error
+
+
 def test_a_mismatch_is_one_error_naming_the_field_and_every_rank():
     c = neg.Coordinator(3, 16, stall_timeout=30)
     everyone(c, [[full("y", sig((4,)))], [full("y", sig((4,)))], [full("y", sig((5,)))]])

@@ -9,6 +9,14 @@ a peer keeps its worker, so the pool grows to the most tasks ever in flight at o
 worker does a small matmul before taking work, so that cost is paid when the pool is sized
 (before a step), not by whichever microbatch first computes on that thread: a timeline of
 2-GPU steps showed one served forward taking 50 ms instead of 6 for that reason.
+
+The small matmul cannot warm everything a thread meets later (cuDNN's attention plans and
+cuBLASLt workspaces are per thread too, and depend on the model), so work goes to the idle
+worker that was idle last (a stack, not a shared queue): the same few threads take the same
+work step after step, and a thread that has never computed is used only when more tasks run
+at once than ever before. With a shared queue, one GPU's steps of the pipeline benchmark's
+model took 82 ms for the first dozen steps against 62 ms later (and for a plain model), as
+each task landed on another cold thread.
 """
 from __future__ import annotations
 
@@ -31,13 +39,19 @@ class TaskHandle:
         return not self._done.is_set()
 
 
+class _Worker:
+    def __init__(self, index: int):
+        self.index = index
+        self.inbox: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.thread: Optional[threading.Thread] = None
+
+
 class WorkerPool:
     def __init__(self, device: torch.device):
         self._device = device
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._idle = 0
-        self._workers: List[threading.Thread] = []
+        self._workers: List[_Worker] = []
+        self._idle: List[_Worker] = []  # a stack: the last worker to finish is the first reused
 
     def ensure(self, count: int) -> None:
         """Starts workers until there are `count`, and waits until the new ones are ready."""
@@ -45,27 +59,30 @@ class WorkerPool:
         with self._lock:
             while len(self._workers) < count:
                 started.append(self._start())
+            # Lower indexes on top: a step's first tasks go to the oldest (warmest) threads.
+            self._idle.sort(key=lambda w: -w.index)
         for ready in started:
             ready.wait()
 
     def _start(self) -> threading.Event:
         ready = threading.Event()
-        t = threading.Thread(target=self._work, args=(ready,), name=f"smp-worker-{len(self._workers)}", daemon=True)
-        self._workers.append(t)
-        self._idle += 1
-        t.start()
+        w = _Worker(len(self._workers))
+        w.thread = threading.Thread(target=self._work, args=(w, ready), name=f"smp-worker-{w.index}", daemon=True)
+        self._workers.append(w)
+        self._idle.append(w)
+        w.thread.start()
         return ready
 
     def submit(self, fn: Callable, *args) -> TaskHandle:
         handle = TaskHandle()
         with self._lock:
-            if self._idle == 0:
+            if not self._idle:
                 self._start()
-            self._idle -= 1
-        self._queue.put((fn, args, handle))
+            w = self._idle.pop()
+        w.inbox.put((fn, args, handle))
         return handle
 
-    def _work(self, ready: threading.Event) -> None:
+    def _work(self, w: _Worker, ready: threading.Event) -> None:
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
             for dtype in (torch.float32, torch.bfloat16):  # this thread's cuBLAS handles
@@ -73,11 +90,10 @@ class WorkerPool:
                 (a @ a).sum()
         ready.set()
         while True:
-            item: Optional[tuple] = self._queue.get()
-            fn, args, handle = item
+            fn, args, handle = w.inbox.get()
             try:
                 fn(*args)
             finally:
                 with self._lock:
-                    self._idle += 1
+                    self._idle.append(w)
                 handle._done.set()

@@ -337,7 +337,8 @@ def main(argv=None) -> int:
         "benchmark": "allreduce float32 SUM, in place, CPU, one host",
         "timestamp_utc": started.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "duration_s": round(time.monotonic() - t0, 1),
-        "command": shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(["allreduce_bandwidth.py", *argv]),
+        "command": (shlex.join([sys.executable, *sys.argv]) if argv is None
+                    else shlex.join(["allreduce_bandwidth.py", *argv])),
         "jobs": commands,
         "np": args.np,
         "impls": [i for i in ALL_IMPLS if any(r["impl"] == i for r in results)],

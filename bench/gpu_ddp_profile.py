@@ -105,7 +105,8 @@ def main():
             dist.all_reduce(t, group=nccl)
         torch.cuda.synchronize()
         if rank == 0:
-            print(f"allreduce of all gradients alone, {dtype}: {(time.perf_counter() - t0) / 5 * 1e3:.2f} ms", flush=True)
+            alone_ms = (time.perf_counter() - t0) / 5 * 1e3
+            print(f"allreduce of all gradients alone, {dtype}: {alone_ms:.2f} ms", flush=True)
     dist.destroy_process_group()
 
 

@@ -154,7 +154,9 @@ def main():
         RESULTS.mkdir(exist_ok=True)
         suffix = ("" if args.model == "anchor" else f"_{args.model}") + (f"_{args.tag}" if args.tag else "")
         out = RESULTS / f"gpu_ddp_scaling_{n}gpu{suffix}.json"
-        out.write_text(json.dumps(dict(command=f"smddprun -np {n} python bench/gpu_ddp_scaling.py --model {args.model}" + (f" --tag {args.tag}" if args.tag else ""),
+        command = f"smddprun -np {n} python bench/gpu_ddp_scaling.py --model {args.model}" + (
+            f" --tag {args.tag}" if args.tag else "")
+        out.write_text(json.dumps(dict(command=command,
                                        model=args.model, world=n,
                                        device=torch.cuda.get_device_name(0), torch=torch.__version__,
                                        params=params, single_step_ms=single * 1e3, results=results), indent=1))

@@ -24,6 +24,7 @@ for r in range(args.ranks):
     sends = [e for e in shown if e["cat"] == "send"]
     busy = sum(e["dur"] for e in compute)
     print(f"rank {r}: window {(end - start) / 1e3:.1f} ms, compute token held {busy / 1e3:.1f} ms "
-          f"({100 * busy / (end - start):.0f}%), {len(compute)} compute spans, sends {sum(e['dur'] for e in sends) / 1e3:.1f} ms")
+          f"({100 * busy / (end - start):.0f}%), {len(compute)} compute spans, "
+          f"sends {sum(e['dur'] for e in sends) / 1e3:.1f} ms")
     for e in sorted(compute, key=lambda e: e["ts"])[-args.show:]:
         print(f"   {(e['ts'] - start) / 1e3:8.2f} +{e['dur'] / 1e3:6.2f} ms  {e['name']}")

@@ -57,7 +57,8 @@ def plot_ddp(doc: dict, out: Path) -> None:
               "tab:orange" if "smddp" in n else "tab:blue" for n in names]
     fig, ax = plt.subplots(figsize=(11, 5))
     bars = ax.barh(names, steps, color=colors)
-    ax.axvline(doc["single_step_ms"], color="black", linestyle="--", label=f"one GPU, no DDP: {doc['single_step_ms']:.1f} ms")
+    ax.axvline(doc["single_step_ms"], color="black", linestyle="--",
+               label=f"one GPU, no DDP: {doc['single_step_ms']:.1f} ms")
     ax.axvline(doc["single_step_ms"] / 0.9, color="gray", linestyle=":", label="90% scaling efficiency")
     for bar, n in zip(bars, names):
         ax.text(bar.get_width() + 0.2, bar.get_y() + bar.get_height() / 2,

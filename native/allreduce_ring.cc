@@ -9,8 +9,8 @@
 
 namespace smddp {
 
-void allreduce_ring(Comm& comm, const std::vector<int>& ranks, void* buf, size_t count, DType dtype,
-                    ReduceOp op, int divisor) {
+void allreduce_ring(Comm& comm, const std::vector<int>& ranks, void* buf, size_t count, DType dtype, ReduceOp op,
+                    int divisor) {
   const int m = int(ranks.size());
   const int pos = int(std::find(ranks.begin(), ranks.end(), comm.rank()) - ranks.begin());
   if (m > 1 && count > 0) {

@@ -79,7 +79,7 @@ py::dict counters_dict(const Counters& c) {
 
 }  // namespace
 
-void bind_gpu(py::module_& m);  // bindings_gpu.cc
+void bind_gpu(py::module_& m);          // bindings_gpu.cc
 void bind_negotiation(py::module_& m);  // bindings_negotiation.cc
 namespace smddp {
 const smddp_c_api* c_api();  // c_api.cc
@@ -90,32 +90,47 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<Error>(m, "SmddpError", PyExc_RuntimeError);
 
   py::enum_<DType>(m, "DType")
-      .value("float16", DType::kFloat16).value("bfloat16", DType::kBFloat16)
-      .value("float32", DType::kFloat32).value("float64", DType::kFloat64)
-      .value("int8", DType::kInt8).value("uint8", DType::kUInt8)
-      .value("int32", DType::kInt32).value("int64", DType::kInt64).value("bool", DType::kBool);
+      .value("float16", DType::kFloat16)
+      .value("bfloat16", DType::kBFloat16)
+      .value("float32", DType::kFloat32)
+      .value("float64", DType::kFloat64)
+      .value("int8", DType::kInt8)
+      .value("uint8", DType::kUInt8)
+      .value("int32", DType::kInt32)
+      .value("int64", DType::kInt64)
+      .value("bool", DType::kBool);
   py::enum_<ReduceOp>(m, "ReduceOp")
-      .value("SUM", ReduceOp::kSum).value("AVERAGE", ReduceOp::kAverage).value("MIN", ReduceOp::kMin)
-      .value("MAX", ReduceOp::kMax).value("PRODUCT", ReduceOp::kProduct);
+      .value("SUM", ReduceOp::kSum)
+      .value("AVERAGE", ReduceOp::kAverage)
+      .value("MIN", ReduceOp::kMin)
+      .value("MAX", ReduceOp::kMax)
+      .value("PRODUCT", ReduceOp::kProduct);
   py::enum_<OpType>(m, "OpType")
-      .value("ALLREDUCE", OpType::kAllreduce).value("BROADCAST", OpType::kBroadcast)
-      .value("REDUCE", OpType::kReduce).value("ALLGATHER", OpType::kAllgather)
-      .value("REDUCE_SCATTER", OpType::kReduceScatter).value("ALLTOALL", OpType::kAlltoall)
+      .value("ALLREDUCE", OpType::kAllreduce)
+      .value("BROADCAST", OpType::kBroadcast)
+      .value("REDUCE", OpType::kReduce)
+      .value("ALLGATHER", OpType::kAllgather)
+      .value("REDUCE_SCATTER", OpType::kReduceScatter)
+      .value("ALLTOALL", OpType::kAlltoall)
       .value("BARRIER", OpType::kBarrier);
 
   bind_gpu(m);
-  py::module_ negotiation = m.def_submodule("negotiation", "The coordinator and the response cache, for in-process tests.");
+  py::module_ negotiation =
+      m.def_submodule("negotiation", "The coordinator and the response cache, for in-process tests.");
   bind_negotiation(negotiation);
   // Native frontends (the torch c10d Backend) call the engine through this table, without
   // Python in between; see c_api.h.
   m.attr("_c_api") = py::capsule(static_cast<const void*>(c_api()), SMDDP_C_API_CAPSULE);
   m.attr("C_API_VERSION") = SMDDP_C_API_VERSION;
   m.def("dtype_size", &dtype_size);
-  m.def("config_table", [] {
-    std::vector<std::tuple<std::string, std::string, std::string>> rows;
-    for (const auto& v : config_table()) rows.emplace_back(v.name, v.default_value, v.meaning);
-    return rows;
-  }, "The configuration variables: (name, default, meaning) tuples.");
+  m.def(
+      "config_table",
+      [] {
+        std::vector<std::tuple<std::string, std::string, std::string>> rows;
+        for (const auto& v : config_table()) rows.emplace_back(v.name, v.default_value, v.meaning);
+        return rows;
+      },
+      "The configuration variables: (name, default, meaning) tuples.");
 
   // Local reduction kernel, exposed so benchmarks can measure the memory-bound floor.
   m.def("reduce_into", [](uintptr_t dst, uintptr_t src, size_t count, DType dtype, ReduceOp op) {
@@ -125,8 +140,8 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](int rank, int size, int local_rank, int local_size, const std::string& host,
-                       const std::string& store_addr, int store_port, const std::string& secret,
-                       py::object rendezvous, const std::string& advertise_addr, double stall_timeout) {
+                       const std::string& store_addr, int store_port, const std::string& secret, py::object rendezvous,
+                       const std::string& advertise_addr, double stall_timeout) {
              WorldSpec s;
              s.rank = rank;
              s.size = size;
@@ -151,44 +166,50 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("local_size", &Engine::local_size)
       .def_property_readonly("num_hosts", &Engine::num_hosts)
       .def_property_readonly("host_index", &Engine::host_index)
-      .def("_address", [](Engine& e) { return reinterpret_cast<uintptr_t>(&e); },
-           "The engine's address, for native frontends that call it through _c_api.")
-      .def("submit",
-           [](Engine& e, OpType op, const std::string& name, uintptr_t in, uintptr_t out, size_t count,
-              size_t out_capacity, DType dtype, std::vector<int64_t> shape, ReduceOp reduce_op, int root,
-              std::vector<int64_t> splits, std::vector<int64_t> per_rank, double prescale, double postscale,
-              bool check_only) {
-             Signature sig;
-             sig.op = op;
-             sig.dtype = dtype;
-             sig.reduce_op = reduce_op;
-             sig.root = root;
-             sig.shape = std::move(shape);
-             sig.splits = std::move(splits);
-             sig.prescale = prescale;
-             sig.postscale = postscale;
-             sig.check_only = check_only;
-             return e.submit(name, sig, as_ptr(in), reinterpret_cast<void*>(out), count, out_capacity, per_rank);
-           },
-           py::arg("op"), py::arg("name"), py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"),
-           py::arg("out_capacity"), py::arg("dtype"), py::arg("shape"), py::arg("reduce_op") = ReduceOp::kSum,
-           py::arg("root") = 0, py::arg("splits") = std::vector<int64_t>{},
-           py::arg("per_rank") = std::vector<int64_t>{}, py::arg("prescale") = 1.0, py::arg("postscale") = 1.0,
-           py::arg("check_only") = false)
-      .def("send", [](Engine& e, int peer, int64_t tag, uintptr_t ptr, size_t bytes) {
-             return e.submit_p2p(true, peer, tag, reinterpret_cast<void*>(ptr), bytes);
-           }, py::arg("peer"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"))
-      .def("recv", [](Engine& e, int peer, int64_t tag, uintptr_t ptr, size_t bytes) {
-             return e.submit_p2p(false, peer, tag, reinterpret_cast<void*>(ptr), bytes);
-           }, py::arg("peer"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"))
+      .def(
+          "_address", [](Engine& e) { return reinterpret_cast<uintptr_t>(&e); },
+          "The engine's address, for native frontends that call it through _c_api.")
+      .def(
+          "submit",
+          [](Engine& e, OpType op, const std::string& name, uintptr_t in, uintptr_t out, size_t count,
+             size_t out_capacity, DType dtype, std::vector<int64_t> shape, ReduceOp reduce_op, int root,
+             std::vector<int64_t> splits, std::vector<int64_t> per_rank, double prescale, double postscale,
+             bool check_only) {
+            Signature sig;
+            sig.op = op;
+            sig.dtype = dtype;
+            sig.reduce_op = reduce_op;
+            sig.root = root;
+            sig.shape = std::move(shape);
+            sig.splits = std::move(splits);
+            sig.prescale = prescale;
+            sig.postscale = postscale;
+            sig.check_only = check_only;
+            return e.submit(name, sig, as_ptr(in), reinterpret_cast<void*>(out), count, out_capacity, per_rank);
+          },
+          py::arg("op"), py::arg("name"), py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"),
+          py::arg("out_capacity"), py::arg("dtype"), py::arg("shape"), py::arg("reduce_op") = ReduceOp::kSum,
+          py::arg("root") = 0, py::arg("splits") = std::vector<int64_t>{}, py::arg("per_rank") = std::vector<int64_t>{},
+          py::arg("prescale") = 1.0, py::arg("postscale") = 1.0, py::arg("check_only") = false)
+      .def(
+          "send",
+          [](Engine& e, int peer, int64_t tag, uintptr_t ptr, size_t bytes) {
+            return e.submit_p2p(true, peer, tag, reinterpret_cast<void*>(ptr), bytes);
+          },
+          py::arg("peer"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"))
+      .def(
+          "recv",
+          [](Engine& e, int peer, int64_t tag, uintptr_t ptr, size_t bytes) {
+            return e.submit_p2p(false, peer, tag, reinterpret_cast<void*>(ptr), bytes);
+          },
+          py::arg("peer"), py::arg("tag"), py::arg("ptr"), py::arg("nbytes"))
       .def("wait", &Engine::wait, py::arg("handle"), py::arg("timeout") = -1.0, py::arg("keep") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("poll", &Engine::poll, py::arg("handle"))
       .def("result_counts", &Engine::result_counts)
       .def("owned_output_bytes", &Engine::owned_output_bytes)
-      .def("copy_owned_output", [](Engine& e, uint64_t h, uintptr_t dst) {
-             e.copy_owned_output(h, reinterpret_cast<void*>(dst));
-           })
+      .def("copy_owned_output",
+           [](Engine& e, uint64_t h, uintptr_t dst) { e.copy_owned_output(h, reinterpret_cast<void*>(dst)); })
       .def("release", &Engine::release)
       .def("watch", &Engine::watch, py::arg("handle"), py::arg("channel") = 0)
       .def("begin_batch", &Engine::begin_batch)

@@ -20,24 +20,25 @@ void bind_gpu(py::module_& m) {
       .def("synchronize", &GpuEvent::synchronize, py::call_guard<py::gil_scoped_release>());
 
   py::class_<NcclGroup>(m, "NcclGroup")
-      .def(py::init([](py::bytes unique_id, int rank, int size, int device, int max_ctas, int min_ctas,
-                       double timeout) {
-             NcclOptions o;
-             if (max_ctas > 0) o.max_ctas = max_ctas;
-             if (min_ctas > 0) o.min_ctas = min_ctas;
-             if (timeout > 0) o.timeout_s = timeout;
-             std::string id = unique_id;
-             py::gil_scoped_release nogil;  // waits for every rank of the group
-             return new NcclGroup(id, rank, size, device, o);
-           }),
-           py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("max_ctas") = 0,
-           py::arg("min_ctas") = 0, py::arg("timeout") = -1.0)
+      .def(
+          py::init([](py::bytes unique_id, int rank, int size, int device, int max_ctas, int min_ctas, double timeout) {
+            NcclOptions o;
+            if (max_ctas > 0) o.max_ctas = max_ctas;
+            if (min_ctas > 0) o.min_ctas = min_ctas;
+            if (timeout > 0) o.timeout_s = timeout;
+            std::string id = unique_id;
+            py::gil_scoped_release nogil;  // waits for every rank of the group
+            return new NcclGroup(id, rank, size, device, o);
+          }),
+          py::arg("unique_id"), py::arg("rank"), py::arg("size"), py::arg("device"), py::arg("max_ctas") = 0,
+          py::arg("min_ctas") = 0, py::arg("timeout") = -1.0)
       .def_property_readonly("rank", &NcclGroup::rank)
       .def_property_readonly("size", &NcclGroup::size)
       .def_property_readonly("device", &NcclGroup::device)
       .def_property_readonly("stream", &NcclGroup::stream)
-      .def("_address", [](NcclGroup& g) { return reinterpret_cast<uintptr_t>(&g); },
-           "The group's address, for native frontends that call it through _c_api.")
+      .def(
+          "_address", [](NcclGroup& g) { return reinterpret_cast<uintptr_t>(&g); },
+          "The group's address, for native frontends that call it through _c_api.")
       .def_property_readonly("nccl_version", &NcclGroup::nccl_version)
       .def("wait_for", &NcclGroup::wait_for, py::arg("stream"))
       .def("allreduce", &NcclGroup::allreduce, py::call_guard<py::gil_scoped_release>())
@@ -51,7 +52,8 @@ void bind_gpu(py::module_& m) {
       .def("group_end", &NcclGroup::group_end, py::call_guard<py::gil_scoped_release>())
       .def("record", &NcclGroup::record)
       .def("allreduce_after", &NcclGroup::allreduce_after, py::call_guard<py::gil_scoped_release>())
-      .def("attach_engine", [](NcclGroup& g, Engine& e) { g.attach_engine(&e); }, py::keep_alive<1, 2>())
+      .def(
+          "attach_engine", [](NcclGroup& g, Engine& e) { g.attach_engine(&e); }, py::keep_alive<1, 2>())
       .def("check", [](NcclGroup& g, const std::string& kind, OpType op, DType dtype, const std::vector<int64_t>& shape,
                        ReduceOp reduce, int root) { g.check(kind.c_str(), op, dtype, shape, reduce, root); })
       .def("error", &NcclGroup::error)

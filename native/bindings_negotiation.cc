@@ -56,12 +56,15 @@ void bind_negotiation(py::module_& m) {
              return a;
            }),
            py::arg("name"), py::arg("sig"), py::arg("per_rank") = std::vector<int64_t>{})
-      .def_static("by_id", [](uint32_t id, std::vector<int64_t> per_rank) {
-             Announcement a;
-             a.cache_id = id;
-             a.per_rank = std::move(per_rank);
-             return a;
-           }, py::arg("cache_id"), py::arg("per_rank") = std::vector<int64_t>{})
+      .def_static(
+          "by_id",
+          [](uint32_t id, std::vector<int64_t> per_rank) {
+            Announcement a;
+            a.cache_id = id;
+            a.per_rank = std::move(per_rank);
+            return a;
+          },
+          py::arg("cache_id"), py::arg("per_rank") = std::vector<int64_t>{})
       .def_readonly("name", &Announcement::name)
       .def_readonly("cache_id", &Announcement::cache_id)
       .def_readonly("per_rank", &Announcement::per_rank);
@@ -71,11 +74,12 @@ void bind_negotiation(py::module_& m) {
       .def_readonly("error", &Response::error)
       .def_readonly("sig", &Response::sig)
       .def_readonly("per_rank", &Response::per_rank)
-      .def_property_readonly("names", [](const Response& r) {
-        std::vector<std::string> v;
-        for (const auto& e : r.entries) v.push_back(e.name);
-        return v;
-      })
+      .def_property_readonly("names",
+                             [](const Response& r) {
+                               std::vector<std::string> v;
+                               for (const auto& e : r.entries) v.push_back(e.name);
+                               return v;
+                             })
       .def_property_readonly("cache_ids", [](const Response& r) {
         std::vector<uint32_t> v;
         for (const auto& e : r.entries) v.push_back(e.cache_id);
@@ -107,15 +111,17 @@ void bind_negotiation(py::module_& m) {
   py::class_<ResponseCache>(m, "ResponseCache")
       .def(py::init<size_t>(), py::arg("capacity"))
       .def("find", &ResponseCache::find)
-      .def("resolve", [](const ResponseCache& c, uint32_t id, int from) {
-        const auto& item = c.resolve(id, from);
-        return py::make_tuple(item.name, item.sig);
-      })
-      .def("use", [](ResponseCache& c, const std::string& name, const Signature& sig, uint64_t seq) {
-        std::vector<uint32_t> evicted;
-        uint32_t id = c.use(name, sig, seq, &evicted);
-        return py::make_tuple(id, evicted);
-      })
+      .def("resolve",
+           [](const ResponseCache& c, uint32_t id, int from) {
+             const auto& item = c.resolve(id, from);
+             return py::make_tuple(item.name, item.sig);
+           })
+      .def("use",
+           [](ResponseCache& c, const std::string& name, const Signature& sig, uint64_t seq) {
+             std::vector<uint32_t> evicted;
+             uint32_t id = c.use(name, sig, seq, &evicted);
+             return py::make_tuple(id, evicted);
+           })
       .def("acknowledged", &ResponseCache::acknowledged)
       .def("learn", &ResponseCache::learn)
       .def("forget", &ResponseCache::forget)
@@ -132,8 +138,9 @@ void bind_negotiation(py::module_& m) {
            py::arg("now_us"))
       .def("rank_left", &Coordinator::rank_left)
       .def("respond", &Coordinator::respond, py::arg("fusion_bytes"), py::arg("now_us"))
-      .def_property_readonly("cache", [](Coordinator& c) -> ResponseCache& { return c.cache(); },
-                             py::return_value_policy::reference_internal)
+      .def_property_readonly(
+          "cache", [](Coordinator& c) -> ResponseCache& { return c.cache(); },
+          py::return_value_policy::reference_internal)
       .def_property_readonly("messages_built", &Coordinator::messages_built)
       .def_property_readonly("waiting", &Coordinator::waiting);
 }

@@ -114,8 +114,8 @@ void* nccl_allreduce_after(void* group, uintptr_t caller_stream, uintptr_t in, u
                            size_t err_len) {
   return guarded<void*>(err, err_len, nullptr, [&] {
     std::vector<int64_t> dims(shape, shape + ndim);
-    return hand_out(group_of(group)->allreduce_after(caller_stream, in, out, count, to_dtype(dtype),
-                                                     to_op(reduce_op), dims));
+    return hand_out(
+        group_of(group)->allreduce_after(caller_stream, in, out, count, to_dtype(dtype), to_op(reduce_op), dims));
   });
 }
 
@@ -198,11 +198,10 @@ void event_release(void* event) { delete static_cast<std::shared_ptr<GpuEvent>*>
 
 const smddp_c_api* c_api() {
   static const smddp_c_api api = {
-      SMDDP_C_API_VERSION, sizeof(smddp_c_api),
-      engine_submit, engine_wait, engine_watch, engine_next_completions, engine_counters,
-      nccl_allreduce_after, nccl_check, nccl_wait_for, nccl_allgather, nccl_reduce_scatter, nccl_broadcast, nccl_record, nccl_error,
-      nccl_stream,
-      event_block, event_query, event_synchronize, event_release,
+      SMDDP_C_API_VERSION, sizeof(smddp_c_api),  engine_submit, engine_wait,   engine_watch,   engine_next_completions,
+      engine_counters,     nccl_allreduce_after, nccl_check,    nccl_wait_for, nccl_allgather, nccl_reduce_scatter,
+      nccl_broadcast,      nccl_record,          nccl_error,    nccl_stream,   event_block,    event_query,
+      event_synchronize,   event_release,
   };
   return &api;
 }

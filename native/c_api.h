@@ -44,8 +44,8 @@ typedef struct smddp_c_api {
 
   /* Engines (an `Engine*`, from `_core.Engine._address()`). */
   uint64_t (*engine_submit)(void* engine, const char* name, const smddp_signature* sig, const void* in, void* out,
-                            size_t count, size_t out_capacity, const int64_t* per_rank, size_t n_per_rank,
-                            char* err, size_t err_len);
+                            size_t count, size_t out_capacity, const int64_t* per_rank, size_t n_per_rank, char* err,
+                            size_t err_len);
   /* Waits for the operation, then releases it. 0: it succeeded. */
   int (*engine_wait)(void* engine, uint64_t handle, double timeout_s, char* err, size_t err_len);
   /* After watch(h), h is reported once by next_completions when it is done. */
@@ -67,8 +67,8 @@ typedef struct smddp_c_api {
                         size_t err_len);
   int (*nccl_reduce_scatter)(void* group, uintptr_t in, uintptr_t out, size_t count_per_rank, int32_t dtype,
                              int32_t reduce_op, char* err, size_t err_len);
-  int (*nccl_broadcast)(void* group, uintptr_t in, uintptr_t out, size_t count, int32_t dtype, int32_t root,
-                        char* err, size_t err_len);
+  int (*nccl_broadcast)(void* group, uintptr_t in, uintptr_t out, size_t count, int32_t dtype, int32_t root, char* err,
+                        size_t err_len);
   void* (*nccl_record)(void* group, char* err, size_t err_len);
   /* The group's failure, if any: the message's length (0: none), copied into buf. */
   size_t (*nccl_error)(void* group, char* buf, size_t buf_len);

@@ -45,7 +45,9 @@ class ShmChannel : public Channel {
   // `peer_bell`: the peer's doorbell, rung whenever this side moves bytes (new data for it,
   // or space freed in the ring it fills).
   ShmChannel(int peer, ShmRing tx, ShmRing rx, Doorbell* peer_bell)
-      : Channel(peer, "shared memory channel to rank " + std::to_string(peer)), tx_(tx), rx_(rx),
+      : Channel(peer, "shared memory channel to rank " + std::to_string(peer)),
+        tx_(tx),
+        rx_(rx),
         peer_bell_(peer_bell) {}
   size_t try_send(const void* data, size_t n) override {
     size_t moved = tx_.try_write(data, n);

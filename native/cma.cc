@@ -28,7 +28,8 @@ void read_peer_memory(int pid, int peer_rank, const void* remote, void* local, s
     ssize_t n = ::process_vm_readv(pid, &l, 1, &r, 1, 0);
     if (n < 0) {
       if (errno == EINTR) continue;
-      if (errno == ESRCH) throw PeerError("rank " + std::to_string(peer_rank) + " (pid " + std::to_string(pid) + ") died");
+      if (errno == ESRCH)
+        throw PeerError("rank " + std::to_string(peer_rank) + " (pid " + std::to_string(pid) + ") died");
       throw PeerError("reading the memory of rank " + std::to_string(peer_rank) + " failed: " + std::strerror(errno));
     }
     if (n == 0) throw PeerError("reading the memory of rank " + std::to_string(peer_rank) + " made no progress");

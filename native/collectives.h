@@ -12,8 +12,7 @@ namespace smddp {
 
 // Allreduce in place among all ranks; chooses the intra-host, flat-ring or hierarchical
 // algorithm by world shape and size. `algorithm_used` (optional) receives its name.
-void allreduce(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op,
-               const char** algorithm_used = nullptr);
+void allreduce(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op, const char** algorithm_used = nullptr);
 
 // Intra-host allreduce of all local ranks through shared-memory staging slots.
 // AVERAGE divides by `divisor`.
@@ -28,8 +27,8 @@ void allgather_cma(Comm& comm, const void* send, void* recv, const std::vector<i
 
 // Ring allreduce among `ranks` (which must contain this rank) over data channels.
 // AVERAGE sums along the ring and divides by `divisor` at the end.
-void allreduce_ring(Comm& comm, const std::vector<int>& ranks, void* buf, size_t count, DType dtype,
-                    ReduceOp op, int divisor);
+void allreduce_ring(Comm& comm, const std::vector<int>& ranks, void* buf, size_t count, DType dtype, ReduceOp op,
+                    int divisor);
 
 // Shared memory inside each host, a ring between host leaders, then a host broadcast.
 void allreduce_hierarchical(Comm& comm, void* buf, size_t count, DType dtype, ReduceOp op);

@@ -38,8 +38,8 @@ inline const char* peer_buffer(Comm& comm, int local_rank) {
 
 // dst[i] = reduce over ranks of their buffer[lo + i], i < hi - lo; `mine` is this rank's
 // buffer. Reads peers block by block into a cache-sized scratch.
-inline void reduce_range_from_peers(Comm& comm, const char* mine, char* dst, size_t lo, size_t hi,
-                                    DType dtype, ReduceOp op, int divisor) {
+inline void reduce_range_from_peers(Comm& comm, const char* mine, char* dst, size_t lo, size_t hi, DType dtype,
+                                    ReduceOp op, int divisor) {
   const int L = comm.local_size();
   const int me = comm.local_rank();
   const auto& ranks = comm.host_ranks(comm.host_index());

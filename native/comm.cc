@@ -77,9 +77,7 @@ Comm::~Comm() {
 
 namespace {
 // A store reached through loopback means every rank is on this host: listen on loopback only.
-bool is_loopback(const std::string& addr) {
-  return addr.rfind("127.", 0) == 0 || addr == "localhost" || addr == "::1";
-}
+bool is_loopback(const std::string& addr) { return addr.rfind("127.", 0) == 0 || addr == "localhost" || addr == "::1"; }
 constexpr double kHandshakeDeadline = 2.0;  // seconds an accepted connection has to identify itself
 constexpr size_t kHandshakeBytes = 4096;
 }  // namespace
@@ -93,7 +91,8 @@ void Comm::bootstrap(const WorldSpec& spec) {
     if (my_addr.empty()) my_addr = "127.0.0.1";
   } else {
     if (spec.store_port <= 0)
-      throw Error("a world of " + std::to_string(size_) + " ranks needs a rendezvous store port "
+      throw Error("a world of " + std::to_string(size_) +
+                  " ranks needs a rendezvous store port "
                   "(SMDDP_STORE_PORT or MASTER_PORT)");
     // Engines a process starts one after another (init, shutdown, init) bootstrap through
     // stores of the same address; the generation tells a rank that reaches rank 0's previous
@@ -109,7 +108,10 @@ void Comm::bootstrap(const WorldSpec& spec) {
   // 1. Publish how to reach this rank; learn everyone else's.
   Socket listener = Socket::listen_on(0, loopback);
   std::ostringstream me;
-  me << spec.host << "\n" << my_addr << "\n" << listener.local_port() << "\n" << ::getpid() << "\n"
+  me << spec.host << "\n"
+     << my_addr << "\n"
+     << listener.local_port() << "\n"
+     << ::getpid() << "\n"
      << kProtocolVersion << "\n";
   store_->set("rank/" + std::to_string(rank_), me.str());
   std::vector<std::string> hosts(size_), addrs(size_);
@@ -221,8 +223,9 @@ void Comm::bootstrap(const WorldSpec& spec) {
   if (segment_ && config_.cma != "0") {
     cma_enabled_ = probe_cma(*this);
     if (!cma_enabled_ && config_.cma == "1")
-      throw Error("SMDDP_CMA=1 but process_vm_readv between local ranks is not permitted here "
-                  "(Yama ptrace_scope or a seccomp profile forbids it); use SMDDP_CMA=auto or 0");
+      throw Error(
+          "SMDDP_CMA=1 but process_vm_readv between local ranks is not permitted here "
+          "(Yama ptrace_scope or a seccomp profile forbids it); use SMDDP_CMA=auto or 0");
     SMDDP_LOG(2, std::string("cross-memory attach ") + (cma_enabled_ ? "enabled" : "unavailable"));
   }
 }
@@ -292,8 +295,8 @@ void Comm::host_barrier(const std::string& what) {
   segment_->barrier(config_.spin_us, [&] {
     check_alive(what);
     if (seconds_since(start) > config_.timeout_s)
-      throw PeerError(what + ": a rank on this host did not arrive within " +
-                      std::to_string(int(config_.timeout_s)) + " s (SMDDP_TIMEOUT)");
+      throw PeerError(what + ": a rank on this host did not arrive within " + std::to_string(int(config_.timeout_s)) +
+                      " s (SMDDP_TIMEOUT)");
   });
 }
 
@@ -352,7 +355,8 @@ void Comm::accept_peer_connections(Socket& listener, int expected, double timeou
         int peer = r.get<int32_t>();
         int k = r.get<int32_t>();
         if (!secrets_equal(secret, secret_)) {
-          SMDDP_LOG(0, "refused a connection from " + p->desc + ": it presented a wrong or missing secret (SMDDP_SECRET)");
+          SMDDP_LOG(0,
+                    "refused a connection from " + p->desc + ": it presented a wrong or missing secret (SMDDP_SECRET)");
           p->sock.close();
           ++bootstrap_refused_;
           continue;

@@ -20,7 +20,7 @@ struct WorldSpec {
   int size = 1;
   int local_rank = -1;  // -1: unknown, computed from host keys
   int local_size = -1;
-  std::string host;     // host key; ranks with equal keys share memory
+  std::string host;  // host key; ranks with equal keys share memory
   std::string store_addr = "127.0.0.1";
   int store_port = 0;
   std::string secret;

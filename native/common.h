@@ -12,14 +12,28 @@
 namespace smddp {
 
 enum class DType : uint8_t {
-  kFloat16 = 0, kBFloat16, kFloat32, kFloat64, kInt8, kUInt8, kInt32, kInt64, kBool,
+  kFloat16 = 0,
+  kBFloat16,
+  kFloat32,
+  kFloat64,
+  kInt8,
+  kUInt8,
+  kInt32,
+  kInt64,
+  kBool,
   kCount
 };
 
 enum class ReduceOp : uint8_t { kSum = 0, kAverage, kMin, kMax, kProduct, kCount };
 
 enum class OpType : uint8_t {
-  kAllreduce = 0, kBroadcast, kReduce, kAllgather, kReduceScatter, kAlltoall, kBarrier,
+  kAllreduce = 0,
+  kBroadcast,
+  kReduce,
+  kAllgather,
+  kReduceScatter,
+  kAlltoall,
+  kBarrier,
   kCount
 };
 
@@ -45,13 +59,10 @@ class PeerError : public Error {
 
 using Clock = std::chrono::steady_clock;
 
-inline double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 inline int64_t now_us() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(
-             Clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now().time_since_epoch()).count();
 }
 
 // Log to stderr with a rank prefix; level 0 = errors only, 1 = warnings, 2 = info, 3 = debug.
@@ -59,11 +70,11 @@ void set_log_identity(int rank, int level);
 int log_level();
 void log_message(int level, const std::string& msg);
 
-#define SMDDP_LOG(level, expr)                                      \
-  do {                                                              \
-    if (::smddp::log_level() >= (level)) {                          \
-      ::smddp::log_message((level), (expr));                        \
-    }                                                               \
+#define SMDDP_LOG(level, expr)               \
+  do {                                       \
+    if (::smddp::log_level() >= (level)) {   \
+      ::smddp::log_message((level), (expr)); \
+    }                                        \
   } while (0)
 
 // CPU relax hint for spin loops.

@@ -63,9 +63,9 @@ class Coordinator {
   double stall_timeout_s_, stall_warning_s_;
   ResponseCache cache_;
   std::unordered_map<std::string, Tally> tallies_;
-  std::vector<std::string> ready_;   // names every rank has announced, in readiness order
-  std::vector<bool> gone_;           // ranks that said goodbye
-  std::vector<uint64_t> applied_;    // per rank: response messages it has acknowledged
+  std::vector<std::string> ready_;  // names every rank has announced, in readiness order
+  std::vector<bool> gone_;          // ranks that said goodbye
+  std::vector<uint64_t> applied_;   // per rank: response messages it has acknowledged
   uint64_t seq_ = 0;
   int64_t last_stall_check_us_ = 0;
   // Buckets still open for fusion in the message being built: one per (dtype, op, scales).

@@ -27,9 +27,9 @@ struct Counters {
   std::atomic<uint64_t> submitted{0};
   std::atomic<uint64_t> completed{0};
   std::atomic<uint64_t> failed{0};
-  std::atomic<uint64_t> responses{0};          // collective responses executed
-  std::atomic<uint64_t> fused_responses{0};    // of which carried more than one tensor
-  std::atomic<uint64_t> fused_tensors{0};      // tensors that travelled in a fused response
+  std::atomic<uint64_t> responses{0};        // collective responses executed
+  std::atomic<uint64_t> fused_responses{0};  // of which carried more than one tensor
+  std::atomic<uint64_t> fused_tensors{0};    // tensors that travelled in a fused response
   std::atomic<uint64_t> allreduce_bytes{0};
   std::atomic<uint64_t> negotiation_round_trips{0};  // announcement batches answered
   std::atomic<uint64_t> negotiation_bytes{0};        // bytes this rank sent for negotiation
@@ -47,8 +47,8 @@ struct Entry {
   std::vector<int64_t> per_rank;  // this rank's ragged information (see Announcement)
   const char* in = nullptr;
   char* out = nullptr;
-  size_t count = 0;               // elements of `in`
-  size_t out_capacity = 0;        // bytes available at `out`
+  size_t count = 0;         // elements of `in`
+  size_t out_capacity = 0;  // bytes available at `out`
   // Engine-owned output for results whose size only negotiation tells (ragged allgather, alltoall).
   std::vector<char> owned_output;
   std::vector<int64_t> result_counts;  // rows received from each rank (allgather/alltoall)
@@ -132,9 +132,9 @@ class Engine {
   // Negotiation (engine_negotiation.cc): moving announcements and responses between this
   // rank and the coordinator, which decides (coordinator.h).
   bool announce_new_entries();
-  bool poll_coordinator_messages();   // rank 0: announcements from every rank
-  bool poll_responses();              // other ranks: responses from rank 0
-  bool send_responses();              // rank 0: the coordinator's next message, to everyone
+  bool poll_coordinator_messages();  // rank 0: announcements from every rank
+  bool poll_responses();             // other ranks: responses from rank 0
+  bool send_responses();             // rank 0: the coordinator's next message, to everyone
   void apply(const ResponseMessage& m);
   // The cache this rank announces from: rank 0's own table, or this rank's replica of it.
   ResponseCache& known_ids() { return coordinator_ ? coordinator_->cache() : replica_; }
@@ -166,8 +166,8 @@ class Engine {
   Counters counters_;
 
   std::mutex mutex_;
-  std::condition_variable work_cv_;   // wakes the background thread
-  std::condition_variable done_cv_;   // wakes waiting callers
+  std::condition_variable work_cv_;  // wakes the background thread
+  std::condition_variable done_cv_;  // wakes waiting callers
   std::condition_variable completion_cv_;
   std::deque<uint64_t> completions_[kCompletionChannels];
   double stall_timeout_s_ = 0;
@@ -189,9 +189,9 @@ class Engine {
 
   // Background-thread state (no lock needed).
   std::unordered_map<std::string, std::shared_ptr<Entry>> pending_;  // announced, not yet run
-  std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
-  ResponseCache replica_{0};                   // other ranks: what rank 0's responses said
-  uint64_t responses_applied_ = 0;             // kRespond messages run (other ranks)
+  std::unique_ptr<Coordinator> coordinator_;                         // rank 0 only
+  ResponseCache replica_{0};                                         // other ranks: what rank 0's responses said
+  uint64_t responses_applied_ = 0;                                   // kRespond messages run (other ranks)
   std::vector<char> fusion_buffer_;
   std::map<int, std::deque<std::shared_ptr<Entry>>> p2p_sends_, p2p_recvs_;
   // Receive side, per peer: the message being read (header, then payload into a posted
@@ -208,8 +208,8 @@ class Engine {
   std::map<int, std::deque<std::pair<int64_t, std::vector<char>>>> p2p_unexpected_;
   int64_t last_p2p_progress_us_ = 0;
 
-  std::vector<bool> rank_gone_;      // ranks that said goodbye
-  int64_t last_heartbeat_sent_us_ = 0;   // rank 0
+  std::vector<bool> rank_gone_;                 // ranks that said goodbye
+  int64_t last_heartbeat_sent_us_ = 0;          // rank 0
   int64_t last_heard_from_coordinator_us_ = 0;  // other ranks: any message from rank 0
   // Other ranks: raises PeerError naming rank 0 when operations wait on negotiation and rank
   // 0 has been silent (no response, no heartbeat) for the stall timeout.

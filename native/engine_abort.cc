@@ -26,7 +26,8 @@ void Engine::abort_job(const std::exception& ex) {
       std::string root = wait_for_root_cause(1.0);
       if (!root.empty()) cause = root;
     }
-    if (cause.find(kAttribution) == std::string::npos) cause += " " + std::string(kAttribution) + std::to_string(rank()) + ")";
+    if (cause.find(kAttribution) == std::string::npos)
+      cause += " " + std::string(kAttribution) + std::to_string(rank()) + ")";
   }
   std::string message = "smddp rank " + std::to_string(rank()) + ": " + cause;
   SMDDP_LOG(0, message);

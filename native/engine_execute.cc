@@ -112,7 +112,8 @@ void Engine::execute_allreduce(const Response& r, std::vector<std::shared_ptr<En
   const int64_t t3 = now_us();
   counters_.allreduce_bytes += total;
   if (timeline_.enabled()) {
-    std::string args = "{\"fused_tensors\":" + std::to_string(entries.size()) + ",\"bytes\":" + std::to_string(total) + "}";
+    std::string args =
+        "{\"fused_tensors\":" + std::to_string(entries.size()) + ",\"bytes\":" + std::to_string(total) + "}";
     for (auto& e : entries) {
       timeline_.span(e->name, "MEMCPY_IN_FUSION_BUFFER", t0, t1);
       timeline_.span(e->name, algorithm_span_name(algo).c_str(), t1, t2, args);

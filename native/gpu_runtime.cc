@@ -103,8 +103,8 @@ const Loaded& load() {
       bind(cudart, "cudaGetErrorString", r.cudaGetErrorString, true, c);
 
       tried.clear();
-      void* nccl = open_library("SMDDP_NCCL_LIBRARY", "libnccl.so", {"libnccl.so.2", "libnccl.so"}, &r.nccl_path,
-                                &tried);
+      void* nccl =
+          open_library("SMDDP_NCCL_LIBRARY", "libnccl.so", {"libnccl.so.2", "libnccl.so"}, &r.nccl_path, &tried);
       if (!nccl)
         throw Error("NCCL (libnccl.so.2) could not be loaded; tried:" + tried +
                     ". Install the nvidia-nccl-cu12/cu13 wheel (PyTorch's CUDA builds depend on it) or "
@@ -130,7 +130,8 @@ const Loaded& load() {
       r.ncclGetVersion(&r.nccl_version);
       // bfloat16 and ncclAvg arrived in 2.10.
       if (r.nccl_version < 21000)
-        throw Error("NCCL " + std::to_string(r.nccl_version) + " at " + r.nccl_path + " is too old; 2.10 or newer is needed");
+        throw Error("NCCL " + std::to_string(r.nccl_version) + " at " + r.nccl_path +
+                    " is too old; 2.10 or newer is needed");
     } catch (const Error& e) {
       loaded.error = e.what();
     }

@@ -13,8 +13,7 @@ bool ragged_first_dim(OpType op) { return op == OpType::kAllgather || op == OpTy
 std::string Signature::first_difference(const Signature& o) const {
   if (op != o.op) return "op";
   if (dtype != o.dtype) return "dtype";
-  if ((op == OpType::kAllreduce || op == OpType::kReduce || op == OpType::kReduceScatter) &&
-      reduce_op != o.reduce_op)
+  if ((op == OpType::kAllreduce || op == OpType::kReduce || op == OpType::kReduceScatter) && reduce_op != o.reduce_op)
     return "reduce op";
   if ((op == OpType::kBroadcast || op == OpType::kReduce) && root != o.root) return "root";
   if (ragged_first_dim(op)) {

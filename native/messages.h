@@ -103,10 +103,10 @@ struct Signature {
 
 // One rank's announcement of one tensor.
 struct Announcement {
-  std::string name;                  // empty when cache_id is used
+  std::string name;  // empty when cache_id is used
   uint32_t cache_id = kNoCacheId;
-  Signature sig;                     // valid when not cached
-  std::vector<int64_t> per_rank;     // allgather: [first dim]; alltoall: rows sent to each rank
+  Signature sig;                  // valid when not cached
+  std::vector<int64_t> per_rank;  // allgather: [first dim]; alltoall: rows sent to each rank
   static constexpr uint32_t kNoCacheId = 0xffffffffu;
 };
 
@@ -127,8 +127,8 @@ struct Response {
   bool is_error = false;
   std::string error;
   Signature sig;
-  std::vector<ResponseEntry> entries;            // fused group in buffer order
-  std::vector<std::vector<int64_t>> per_rank;    // for single-tensor allgather/alltoall
+  std::vector<ResponseEntry> entries;          // fused group in buffer order
+  std::vector<std::vector<int64_t>> per_rank;  // for single-tensor allgather/alltoall
 };
 
 // One kAnnounce message.

@@ -9,16 +9,26 @@ namespace {
 // ncclDataType_t codes. bool travels as uint8 (0/1), as torch's NCCL backend does.
 int nccl_dtype(DType t) {
   switch (t) {
-    case DType::kInt8: return 0;
-    case DType::kUInt8: return 1;
-    case DType::kBool: return 1;
-    case DType::kInt32: return 2;
-    case DType::kInt64: return 4;
-    case DType::kFloat16: return 6;
-    case DType::kFloat32: return 7;
-    case DType::kFloat64: return 8;
-    case DType::kBFloat16: return 9;
-    default: break;
+    case DType::kInt8:
+      return 0;
+    case DType::kUInt8:
+      return 1;
+    case DType::kBool:
+      return 1;
+    case DType::kInt32:
+      return 2;
+    case DType::kInt64:
+      return 4;
+    case DType::kFloat16:
+      return 6;
+    case DType::kFloat32:
+      return 7;
+    case DType::kFloat64:
+      return 8;
+    case DType::kBFloat16:
+      return 9;
+    default:
+      break;
   }
   throw Error(std::string("NCCL has no type for ") + dtype_name(t));
 }
@@ -28,18 +38,29 @@ int nccl_dtype(DType t) {
 int nccl_op(ReduceOp op, DType t) {
   if (t == DType::kBool) {
     switch (op) {
-      case ReduceOp::kSum: case ReduceOp::kMax: return 2;
-      case ReduceOp::kProduct: case ReduceOp::kMin: return 3;
-      default: throw Error(std::string(reduce_op_name(op)) + " is not defined for bool tensors");
+      case ReduceOp::kSum:
+      case ReduceOp::kMax:
+        return 2;
+      case ReduceOp::kProduct:
+      case ReduceOp::kMin:
+        return 3;
+      default:
+        throw Error(std::string(reduce_op_name(op)) + " is not defined for bool tensors");
     }
   }
   switch (op) {
-    case ReduceOp::kSum: return 0;
-    case ReduceOp::kProduct: return 1;
-    case ReduceOp::kMax: return 2;
-    case ReduceOp::kMin: return 3;
-    case ReduceOp::kAverage: return 4;
-    default: break;
+    case ReduceOp::kSum:
+      return 0;
+    case ReduceOp::kProduct:
+      return 1;
+    case ReduceOp::kMax:
+      return 2;
+    case ReduceOp::kMin:
+      return 3;
+    case ReduceOp::kAverage:
+      return 4;
+    default:
+      break;
   }
   throw Error("unknown reduce op");
 }
@@ -90,7 +111,9 @@ bool GpuEvent::query() const {
   return true;
 }
 
-void GpuEvent::synchronize() const { gpu::check_cuda(gpu::runtime().cudaEventSynchronize(event_), "cudaEventSynchronize"); }
+void GpuEvent::synchronize() const {
+  gpu::check_cuda(gpu::runtime().cudaEventSynchronize(event_), "cudaEventSynchronize");
+}
 
 std::string NcclGroup::make_unique_id() {
   gpu::NcclUniqueId id;
@@ -113,8 +136,8 @@ NcclGroup::NcclGroup(const std::string& unique_id, int rank, int size, int devic
                   "cudaStreamCreateWithPriority");
   gpu::check_cuda(r.cudaEventCreateWithFlags(&ready_, gpu::kEventDisableTiming), "cudaEventCreate");
   events_ = std::make_shared<EventPool>(device_);
-  const bool configured = options_.max_ctas != gpu::NcclConfig::kUndefined ||
-                          options_.min_ctas != gpu::NcclConfig::kUndefined;
+  const bool configured =
+      options_.max_ctas != gpu::NcclConfig::kUndefined || options_.min_ctas != gpu::NcclConfig::kUndefined;
   if (configured && r.ncclCommInitRankConfig) {
     gpu::NcclConfig config;
     config.max_ctas = options_.max_ctas;
@@ -197,8 +220,8 @@ void NcclGroup::allgather(uintptr_t in, uintptr_t out, size_t count_per_rank, DT
 void NcclGroup::reduce_scatter(uintptr_t in, uintptr_t out, size_t count_per_rank, DType dtype, ReduceOp op) {
   check_usable();
   gpu::DeviceGuard guard(device_);
-  run(gpu::runtime().ncclReduceScatter(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out),
-                                       count_per_rank, nccl_dtype(dtype), nccl_op(op, dtype), comm_, stream_),
+  run(gpu::runtime().ncclReduceScatter(reinterpret_cast<const void*>(in), reinterpret_cast<void*>(out), count_per_rank,
+                                       nccl_dtype(dtype), nccl_op(op, dtype), comm_, stream_),
       "ncclReduceScatter");
 }
 

@@ -107,8 +107,7 @@ class NcclGroup {
   void attach_engine(Engine* engine);
   // Negotiates one collective's signature (named by kind and call order, see checks_per_kind_);
   // no-op until an engine is attached.
-  void check(const char* kind, OpType op, DType dtype, const std::vector<int64_t>& shape, ReduceOp reduce,
-             int root);
+  void check(const char* kind, OpType op, DType dtype, const std::vector<int64_t>& shape, ReduceOp reduce, int root);
 
   std::string error() const;
   void abort(const std::string& reason);

@@ -31,29 +31,33 @@ inline bf16_t float_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return bf16_t{uint16_t((u >> 16) | 0x40)};  // keep NaN quiet
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+  u += 0x7fffu + ((u >> 16) & 1u);                                                 // round to nearest even
   return bf16_t{uint16_t(u >> 16)};
 }
 
 // Accumulation type and conversions per storage type.
-template <typename T> struct Traits {
+template <typename T>
+struct Traits {
   using acc = T;
   static acc load(T v) { return v; }
   static T store(acc v) { return v; }
 };
-template <> struct Traits<half_t> {
+template <>
+struct Traits<half_t> {
   using acc = float;
   static acc load(half_t v) { return half_to_float(v); }
   static half_t store(acc v) { return float_to_half(v); }
 };
-template <> struct Traits<bf16_t> {
+template <>
+struct Traits<bf16_t> {
   using acc = float;
   static acc load(bf16_t v) { return bf16_to_float(v); }
   static bf16_t store(acc v) { return float_to_bf16(v); }
 };
 
 // Integer sums and products wrap like numpy's instead of being undefined behaviour.
-template <typename A> inline A add(A a, A b) {
+template <typename A>
+inline A add(A a, A b) {
   if constexpr (std::is_integral_v<A> && !std::is_same_v<A, bool>) {
     using U = std::make_unsigned_t<A>;
     return A(U(a) + U(b));
@@ -63,7 +67,8 @@ template <typename A> inline A add(A a, A b) {
     return a + b;
   }
 }
-template <typename A> inline A mul(A a, A b) {
+template <typename A>
+inline A mul(A a, A b) {
   if constexpr (std::is_integral_v<A> && !std::is_same_v<A, bool>) {
     using U = std::make_unsigned_t<A>;
     return A(U(a) * U(b));
@@ -76,18 +81,24 @@ template <typename A> inline A mul(A a, A b) {
 
 template <ReduceOp OP, typename A>
 inline A combine(A a, A b) {
-  if constexpr (OP == ReduceOp::kSum || OP == ReduceOp::kAverage) return add(a, b);
-  else if constexpr (OP == ReduceOp::kProduct) return mul(a, b);
-  else if constexpr (OP == ReduceOp::kMin) return b < a ? b : a;
-  else return b > a ? b : a;
+  if constexpr (OP == ReduceOp::kSum || OP == ReduceOp::kAverage)
+    return add(a, b);
+  else if constexpr (OP == ReduceOp::kProduct)
+    return mul(a, b);
+  else if constexpr (OP == ReduceOp::kMin)
+    return b < a ? b : a;
+  else
+    return b > a ? b : a;
 }
 
 // AVERAGE's rule: floats divide the sum by the divisor once (IEEE division, one rounding, as
 // numpy's sum / n); integers truncate toward zero.
 template <typename A>
 inline A divide(A v, int divisor) {
-  if constexpr (std::is_floating_point_v<A>) return v / A(divisor);
-  else return A(v / A(divisor));
+  if constexpr (std::is_floating_point_v<A>)
+    return v / A(divisor);
+  else
+    return A(v / A(divisor));
 }
 
 // Elements per block of the accumulating path: against whole-range passes (one core, float32,
@@ -118,8 +129,10 @@ void reduce_many_t(T* dst, const void* const* srcs, int k, size_t count, int div
   using Tr = Traits<T>;
   using A = typename Tr::acc;
   auto finish = [divisor](A v) -> T {
-    if constexpr (OP == ReduceOp::kAverage) return Tr::store(divide(v, divisor));
-    else return Tr::store(v);
+    if constexpr (OP == ReduceOp::kAverage)
+      return Tr::store(divide(v, divisor));
+    else
+      return Tr::store(v);
   };
   if constexpr (std::is_same_v<A, T>) {
     if (k >= 3 && !dst_overlaps_later_source(dst, srcs, k, count)) {
@@ -163,28 +176,44 @@ template <typename T>
 void dispatch_op(void* dst, const void* const* srcs, int k, size_t count, ReduceOp op, int divisor) {
   T* d = static_cast<T*>(dst);
   switch (op) {
-    case ReduceOp::kSum: return reduce_many_t<T, ReduceOp::kSum>(d, srcs, k, count, divisor);
-    case ReduceOp::kAverage: return reduce_many_t<T, ReduceOp::kAverage>(d, srcs, k, count, divisor);
-    case ReduceOp::kMin: return reduce_many_t<T, ReduceOp::kMin>(d, srcs, k, count, divisor);
-    case ReduceOp::kMax: return reduce_many_t<T, ReduceOp::kMax>(d, srcs, k, count, divisor);
-    case ReduceOp::kProduct: return reduce_many_t<T, ReduceOp::kProduct>(d, srcs, k, count, divisor);
-    default: throw Error("unknown reduce op");
+    case ReduceOp::kSum:
+      return reduce_many_t<T, ReduceOp::kSum>(d, srcs, k, count, divisor);
+    case ReduceOp::kAverage:
+      return reduce_many_t<T, ReduceOp::kAverage>(d, srcs, k, count, divisor);
+    case ReduceOp::kMin:
+      return reduce_many_t<T, ReduceOp::kMin>(d, srcs, k, count, divisor);
+    case ReduceOp::kMax:
+      return reduce_many_t<T, ReduceOp::kMax>(d, srcs, k, count, divisor);
+    case ReduceOp::kProduct:
+      return reduce_many_t<T, ReduceOp::kProduct>(d, srcs, k, count, divisor);
+    default:
+      throw Error("unknown reduce op");
   }
 }
 
 template <typename Fn>
 void by_dtype(DType t, Fn&& fn) {
   switch (t) {
-    case DType::kFloat16: return fn(half_t{});
-    case DType::kBFloat16: return fn(bf16_t{});
-    case DType::kFloat32: return fn(float{});
-    case DType::kFloat64: return fn(double{});
-    case DType::kInt8: return fn(int8_t{});
-    case DType::kUInt8: return fn(uint8_t{});
-    case DType::kInt32: return fn(int32_t{});
-    case DType::kInt64: return fn(int64_t{});
-    case DType::kBool: return fn(bool{});
-    default: throw Error("unknown dtype");
+    case DType::kFloat16:
+      return fn(half_t{});
+    case DType::kBFloat16:
+      return fn(bf16_t{});
+    case DType::kFloat32:
+      return fn(float{});
+    case DType::kFloat64:
+      return fn(double{});
+    case DType::kInt8:
+      return fn(int8_t{});
+    case DType::kUInt8:
+      return fn(uint8_t{});
+    case DType::kInt32:
+      return fn(int32_t{});
+    case DType::kInt64:
+      return fn(int64_t{});
+    case DType::kBool:
+      return fn(bool{});
+    default:
+      throw Error("unknown dtype");
   }
 }
 
@@ -197,8 +226,7 @@ void check_reduce_supported(DType dtype, ReduceOp op) {
     throw Error("reduce op AVERAGE is not defined for bool tensors (use MIN for logical and, MAX for or)");
 }
 
-void reduce_many(void* dst, const void* const* srcs, int k, size_t count, DType dtype, ReduceOp op,
-                 int divisor) {
+void reduce_many(void* dst, const void* const* srcs, int k, size_t count, DType dtype, ReduceOp op, int divisor) {
   check_reduce_supported(dtype, op);
   by_dtype(dtype, [&](auto tag) { dispatch_op<decltype(tag)>(dst, srcs, k, count, op, divisor); });
 }
@@ -248,8 +276,7 @@ void scale_by(void* dst, size_t count, DType dtype, double factor) {
       throw Error("scaling is not defined for bool tensors");
     } else {
       T* d = static_cast<T*>(dst);
-      for (size_t i = 0; i < count; ++i)
-        d[i] = Tr::store(typename Tr::acc(double(Tr::load(d[i])) * factor));
+      for (size_t i = 0; i < count; ++i) d[i] = Tr::store(typename Tr::acc(double(Tr::load(d[i])) * factor));
     }
   });
 }

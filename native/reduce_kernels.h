@@ -15,8 +15,7 @@ void check_reduce_supported(DType dtype, ReduceOp op);
 // dst[i] = reduce(srcs[0][i], ..., srcs[k-1][i]) for i < count; AVERAGE divides by `divisor`.
 // dst may alias any source (each block of every source is read before that block of dst is
 // written). Sources combine left to right, so callers pass them in rank order.
-void reduce_many(void* dst, const void* const* srcs, int k, size_t count, DType dtype, ReduceOp op,
-                 int divisor);
+void reduce_many(void* dst, const void* const* srcs, int k, size_t count, DType dtype, ReduceOp op, int divisor);
 
 // dst[i] = reduce(dst[i], src[i]); AVERAGE accumulates as SUM (finish with scale_average).
 void reduce_into(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);

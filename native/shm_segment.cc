@@ -64,8 +64,7 @@ size_t ShmRing::try_read(void* dst, size_t n) {
 
 HostSegment::HostSegment(const std::string& name, int local_rank, int local_size, int global_rank, size_t slot_bytes,
                          size_t ring_bytes, bool create)
-    : name_(name), local_rank_(local_rank), local_size_(local_size), slot_bytes_(slot_bytes),
-      ring_bytes_(ring_bytes) {
+    : name_(name), local_rank_(local_rank), local_size_(local_size), slot_bytes_(slot_bytes), ring_bytes_(ring_bytes) {
   if (local_size > kMaxLocalRanks)
     throw Error("at most " + std::to_string(kMaxLocalRanks) + " ranks per host are supported");
   size_t ctrl_bytes = round_up(sizeof(HostControl), 4096);
@@ -124,9 +123,7 @@ void HostSegment::unlink() {
   }
 }
 
-char* HostSegment::slot(int slot_set, int lr) {
-  return slots_ + (size_t(slot_set) * local_size_ + lr) * slot_bytes_;
-}
+char* HostSegment::slot(int slot_set, int lr) { return slots_ + (size_t(slot_set) * local_size_ + lr) * slot_bytes_; }
 
 ShmRing HostSegment::ring(int from, int to, int kind) {
   if (kind < 0 || kind >= kChannelKinds || from < 0 || from >= local_size_ || to < 0 || to >= local_size_)
@@ -153,8 +150,8 @@ void HostSegment::check_alive(const char* context) {
   for (int lr = 0; lr < local_size_; ++lr) {
     if (lr == local_rank_) continue;
     if (!process_alive(ctrl_->pids[lr]))
-      throw PeerError("rank " + std::to_string(ctrl_->global_ranks[lr]) + " (pid " +
-                      std::to_string(ctrl_->pids[lr]) + ") died during " + context);
+      throw PeerError("rank " + std::to_string(ctrl_->global_ranks[lr]) + " (pid " + std::to_string(ctrl_->pids[lr]) +
+                      ") died during " + context);
   }
 }
 

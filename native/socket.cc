@@ -23,9 +23,7 @@ int remaining_ms(Clock::time_point deadline) {
   return left < 0 ? 0 : int(left);
 }
 
-Clock::time_point deadline_after(double s) {
-  return Clock::now() + std::chrono::microseconds(int64_t(s * 1e6));
-}
+Clock::time_point deadline_after(double s) { return Clock::now() + std::chrono::microseconds(int64_t(s * 1e6)); }
 
 }  // namespace
 

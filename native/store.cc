@@ -20,8 +20,11 @@ const char kRefused[] = "smddp-store-refused";
 }  // namespace
 
 StoreServer::StoreServer(int port, std::string secret, int generation, bool loopback, StoreLimits limits)
-    : listener_(Socket::listen_on(port, loopback)), port_(listener_.local_port()), secret_(std::move(secret)),
-      generation_(generation), limits_(limits) {
+    : listener_(Socket::listen_on(port, loopback)),
+      port_(listener_.local_port()),
+      secret_(std::move(secret)),
+      generation_(generation),
+      limits_(limits) {
   listener_.set_nonblocking(true);
   thread_ = std::thread([this] { serve(); });
 }
@@ -140,8 +143,7 @@ void StoreServer::serve() {
   }
 }
 
-StoreClient::StoreClient(const std::string& host, int port, const std::string& secret, double timeout_s,
-                         int generation)
+StoreClient::StoreClient(const std::string& host, int port, const std::string& secret, double timeout_s, int generation)
     : timeout_s_(timeout_s) {
   const std::string where = "rendezvous store " + host + ":" + std::to_string(port);
   const std::string welcome = kWelcome + std::to_string(generation);
@@ -199,8 +201,8 @@ std::string StoreClient::get(const std::string& key, double timeout_s) {
     Reader r(request(w.str()));
     if (r.get<uint8_t>()) return r.get_string();
     if (seconds_since(start) > timeout_s)
-      throw PeerError("timed out after " + std::to_string(int(timeout_s)) +
-                      " s waiting for rendezvous key '" + key + "'");
+      throw PeerError("timed out after " + std::to_string(int(timeout_s)) + " s waiting for rendezvous key '" + key +
+                      "'");
     std::this_thread::sleep_for(std::chrono::microseconds(delay_us));
     delay_us = std::min(delay_us * 2, 20000);
   }

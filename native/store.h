@@ -17,10 +17,10 @@ namespace smddp {
 // Limits of the store's server: nothing a client that has not proved the secret sends can
 // cost more than a handshake frame or keep it for longer than the handshake deadline.
 struct StoreLimits {
-  size_t handshake_bytes = 4096;           // the secret's frame
-  size_t request_bytes = 1 << 20;          // one set/get after authentication
-  double handshake_deadline_s = 2.0;       // to connect and present the secret
-  size_t max_connections = 256;            // open at once; more are closed at accept
+  size_t handshake_bytes = 4096;      // the secret's frame
+  size_t request_bytes = 1 << 20;     // one set/get after authentication
+  double handshake_deadline_s = 2.0;  // to connect and present the secret
+  size_t max_connections = 256;       // open at once; more are closed at accept
 };
 
 class StoreServer {

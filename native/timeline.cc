@@ -25,7 +25,8 @@ void Timeline::open(const std::string& path_prefix, int rank) {
   if (!file_) throw Error("cannot write timeline file " + path_ + " (SMDDP_TIMELINE)");
   origin_us_ = now_us();
   std::fputs("[\n", file_);
-  std::fprintf(file_, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"rank %d\"}}", rank, rank);
+  std::fprintf(file_, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"rank %d\"}}", rank,
+               rank);
   first_ = false;
 }
 

@@ -25,64 +25,70 @@ void check_splits(const Signature& sig, const std::string& name, const std::vect
                   int size, const char* what) {
   for (int q = 0; q < size; ++q)
     if (splits[first + q] < 0)
-      fail(sig, name, std::string(what) + " " + list_text(splits) + " has a negative entry for rank " +
-                          std::to_string(q));
+      fail(sig, name,
+           std::string(what) + " " + list_text(splits) + " has a negative entry for rank " + std::to_string(q));
 }
 
 }  // namespace
 
-void validate_submission(const std::string& name, const Signature& sig, const void* in, const void* out,
-                         size_t count, size_t out_capacity, const std::vector<int64_t>& per_rank, int rank,
-                         int size) {
+void validate_submission(const std::string& name, const Signature& sig, const void* in, const void* out, size_t count,
+                         size_t out_capacity, const std::vector<int64_t>& per_rank, int rank, int size) {
   if (sig.check_only || sig.op == OpType::kBarrier) return;
   const size_t es = dtype_size(sig.dtype);
   if (count > 0 && !in) fail(sig, name, "no input buffer for " + std::to_string(count) + " elements");
   if (count > (SIZE_MAX / 4) / es) fail(sig, name, "element count " + std::to_string(count) + " is too large");
   const int64_t elements = checked_product(sig.shape, 0);
   if (!sig.shape.empty() && (elements < 0 || uint64_t(elements) != count))
-    fail(sig, name, "shape " + list_text(sig.shape) + " does not hold the " + std::to_string(count) +
-                        " elements of the input");
+    fail(sig, name,
+         "shape " + list_text(sig.shape) + " does not hold the " + std::to_string(count) + " elements of the input");
   const size_t bytes = count * es;
   switch (sig.op) {
     case OpType::kAllreduce:
     case OpType::kBroadcast:
       if (out && out_capacity < bytes)
-        fail(sig, name, "the output buffer holds " + std::to_string(out_capacity) + " bytes but the input has " +
-                            std::to_string(bytes));
+        fail(sig, name,
+             "the output buffer holds " + std::to_string(out_capacity) + " bytes but the input has " +
+                 std::to_string(bytes));
       break;
     case OpType::kReduce:
       if (rank == sig.root && out && out_capacity < bytes)
-        fail(sig, name, "the root's output buffer holds " + std::to_string(out_capacity) +
-                            " bytes but the input has " + std::to_string(bytes));
+        fail(sig, name,
+             "the root's output buffer holds " + std::to_string(out_capacity) + " bytes but the input has " +
+                 std::to_string(bytes));
       break;
     case OpType::kReduceScatter: {
       if (sig.splits.empty()) {
         if (count % size_t(size))
-          fail(sig, name, std::to_string(count) + " elements do not split evenly over " + std::to_string(size) +
-                              " ranks");
+          fail(sig, name,
+               std::to_string(count) + " elements do not split evenly over " + std::to_string(size) + " ranks");
         if (out && out_capacity < bytes / size_t(size))
-          fail(sig, name, "the output buffer holds " + std::to_string(out_capacity) + " bytes but this rank's block has " +
-                              std::to_string(bytes / size_t(size)));
+          fail(sig, name,
+               "the output buffer holds " + std::to_string(out_capacity) + " bytes but this rank's block has " +
+                   std::to_string(bytes / size_t(size)));
         break;
       }
       if (sig.splits.size() != size_t(size))
-        fail(sig, name, "counts " + list_text(sig.splits) + " name " + std::to_string(sig.splits.size()) +
-                            " blocks for " + std::to_string(size) + " ranks");
+        fail(sig, name,
+             "counts " + list_text(sig.splits) + " name " + std::to_string(sig.splits.size()) + " blocks for " +
+                 std::to_string(size) + " ranks");
       check_splits(sig, name, sig.splits, 0, size, "counts");
       int64_t total = 0;
       for (int64_t c : sig.splits) total += c;
       if (uint64_t(total) != count)
-        fail(sig, name, "counts " + list_text(sig.splits) + " add up to " + std::to_string(total) +
-                            " elements, the input has " + std::to_string(count));
+        fail(sig, name,
+             "counts " + list_text(sig.splits) + " add up to " + std::to_string(total) + " elements, the input has " +
+                 std::to_string(count));
       if (out && out_capacity < size_t(sig.splits[rank]) * es)
-        fail(sig, name, "the output buffer holds " + std::to_string(out_capacity) + " bytes but this rank's block has " +
-                            std::to_string(size_t(sig.splits[rank]) * es));
+        fail(sig, name,
+             "the output buffer holds " + std::to_string(out_capacity) + " bytes but this rank's block has " +
+                 std::to_string(size_t(sig.splits[rank]) * es));
       break;
     }
     case OpType::kAllgather: {
       if (per_rank.size() != 1 && per_rank.size() != size_t(1 + size))
-        fail(sig, name, "expects [rows sent] or [rows sent, rows expected from each of " + std::to_string(size) +
-                            " ranks], got " + list_text(per_rank));
+        fail(sig, name,
+             "expects [rows sent] or [rows sent, rows expected from each of " + std::to_string(size) + " ranks], got " +
+                 list_text(per_rank));
       if (per_rank[0] < 0) fail(sig, name, "negative row count " + std::to_string(per_rank[0]));
       if (per_rank.size() > 1) check_splits(sig, name, per_rank, 1, size, "expected rows");
       if (!sig.shape.empty() && sig.shape[0] != per_rank[0])
@@ -91,17 +97,18 @@ void validate_submission(const std::string& name, const Signature& sig, const vo
     }
     case OpType::kAlltoall: {
       if (per_rank.size() != size_t(size) && per_rank.size() != size_t(2 * size))
-        fail(sig, name, "split sizes " + list_text(per_rank) + " name " + std::to_string(per_rank.size()) +
-                            " entries for " + std::to_string(size) + " ranks");
+        fail(sig, name,
+             "split sizes " + list_text(per_rank) + " name " + std::to_string(per_rank.size()) + " entries for " +
+                 std::to_string(size) + " ranks");
       check_splits(sig, name, per_rank, 0, size, "input split sizes");
       if (per_rank.size() == size_t(2 * size)) check_splits(sig, name, per_rank, size, size, "output split sizes");
       int64_t rows = 0;
       for (int q = 0; q < size; ++q) rows += per_rank[q];
       const int64_t have = sig.shape.empty() ? int64_t(count) : sig.shape[0];
       if (rows != have)
-        fail(sig, name, "input split sizes " +
-                            list_text(std::vector<int64_t>(per_rank.begin(), per_rank.begin() + size)) +
-                            " add up to " + std::to_string(rows) + " rows, the input has " + std::to_string(have));
+        fail(sig, name,
+             "input split sizes " + list_text(std::vector<int64_t>(per_rank.begin(), per_rank.begin() + size)) +
+                 " add up to " + std::to_string(rows) + " rows, the input has " + std::to_string(have));
       break;
     }
     default:
@@ -142,8 +149,8 @@ std::string check_ragged(const std::string& name, const Signature& sig,
     const int64_t capacity = announced_capacity(mine);
     if (capacity >= 0 && bytes > capacity)
       return what + "rank " + std::to_string(q) + "'s output buffer holds " + std::to_string(capacity) +
-             " bytes but receives " + std::to_string(bytes) + " (rows from the ranks in order: " +
-             list_text(incoming) + ")";
+             " bytes but receives " + std::to_string(bytes) + " (rows from the ranks in order: " + list_text(incoming) +
+             ")";
   }
   return "";
 }

@@ -24,9 +24,8 @@ namespace smddp {
 
 // Throws Error naming the collective and what is wrong. `per_rank` is the caller's (without
 // the capacity, which submit() appends).
-void validate_submission(const std::string& name, const Signature& sig, const void* in, const void* out,
-                         size_t count, size_t out_capacity, const std::vector<int64_t>& per_rank, int rank,
-                         int size);
+void validate_submission(const std::string& name, const Signature& sig, const void* in, const void* out, size_t count,
+                         size_t out_capacity, const std::vector<int64_t>& per_rank, int rank, int size);
 
 // The coordinator's check of one ragged collective, given every rank's announced per_rank;
 // "" when every rank's output fits and every expectation holds.

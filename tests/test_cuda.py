@@ -92,7 +92,7 @@ def test_cuda_disagreeing_ranks_raise_on_every_rank(case, expected):
     results = run_world(2, "torch_cuda_errors.py", [case], env={"SMDDP_TIMEOUT": "20"}, gpus=True, timeout=120)
     assert_all_ok(results)
     for r in results:
-        raised = [l for l in r.stdout.splitlines() if l.startswith("RAISED:")]
+        raised = [line for line in r.stdout.splitlines() if line.startswith("RAISED:")]
         assert raised, r.output
         for fragment in expected:
             assert fragment in raised[0], r.output

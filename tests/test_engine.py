@@ -7,7 +7,7 @@ from world import assert_all_ok, run_world
 
 
 def counters_of(result):
-    line = next(l for l in result.stdout.splitlines() if l.startswith("COUNTERS "))
+    line = next(line for line in result.stdout.splitlines() if line.startswith("COUNTERS "))
     return json.loads(line[len("COUNTERS "):])
 
 

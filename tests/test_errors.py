@@ -11,7 +11,7 @@ FAST_TIMEOUT = {"SMDDP_TIMEOUT": "4"}
 
 
 def raised(result):
-    return [l[len("RAISED: "):] for l in result.stdout.splitlines() if l.startswith("RAISED: ")]
+    return [line[len("RAISED: "):] for line in result.stdout.splitlines() if line.startswith("RAISED: ")]
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -123,7 +122,7 @@ def test_link_cut_mid_collective_raises_on_every_rank(two_hosts):
     results = _collect(procs, timeout=60)
     for rank, (rc, out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}:\n{out}\n{err}"
-        raised = [l for l in out.splitlines() if l.startswith("RAISED after")]
+        raised = [line for line in out.splitlines() if line.startswith("RAISED after")]
         assert raised, f"rank {rank}:\n{out}\n{err}"
         print(f"rank {rank}: {raised[0]}")
         seconds = float(raised[0].split()[2])

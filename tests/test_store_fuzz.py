@@ -87,7 +87,7 @@ def test_store_fuzz_keeps_the_job_healthy():
         for f in fuzzers:
             f.join()
     assert_all_ok(results)
-    line = next(l for l in results[0].stdout.splitlines() if l.startswith("REFUSED="))
+    line = next(line for line in results[0].stdout.splitlines() if line.startswith("REFUSED="))
     refused = int(line.split()[0].split("=")[1])
     steps = int(line.split()[1].split("=")[1])
     assert stats["inputs"] > 100 and refused > 0 and steps > 10, (stats, line)

@@ -10,7 +10,7 @@ FAST_TIMEOUT = {"SMDDP_TIMEOUT": "5"}
 
 
 def raised(result):
-    return [l[len("RAISED: "):] for l in result.stdout.splitlines() if l.startswith("RAISED: ")]
+    return [line[len("RAISED: "):] for line in result.stdout.splitlines() if line.startswith("RAISED: ")]
 
 
 @pytest.mark.parametrize("nranks", [2, 3])

@@ -17,7 +17,7 @@ import itertools
 import pickle
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist

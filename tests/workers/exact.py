@@ -77,5 +77,6 @@ def assert_exact(dtype: str, got: np.ndarray, want: np.ndarray, what: str) -> in
         bad = np.flatnonzero(differs)
         first = bad[:4].tolist()
         raise AssertionError(f"{what}: {bad.size} of {got.size} elements wrong, first at {first}: "
-                             f"got {as_float(dtype, got)[first].tolist()}, want {as_float(dtype, want)[first].tolist()}")
+                             f"got {as_float(dtype, got)[first].tolist()}, "
+                             f"want {as_float(dtype, want)[first].tolist()}")
     return got.size

@@ -193,7 +193,8 @@ def main():
         core.broadcast(go_on, root=0, name=f"fuzz.continue.{index}")
         if not go_on[0]:
             break
-    print(f"rank {me}: fuzz ok, {index - first} programs, {ops} operations, {elements} result elements checked", flush=True)
+    print(f"rank {me}: fuzz ok, {index - first} programs, {ops} operations, {elements} result elements checked",
+          flush=True)
     engine.shutdown()
 
 

@@ -88,5 +88,6 @@ for i, s in opt.state_dict()["state"].items():
     for k, v in s.items():
         assert torch.equal(v.cpu(), saved_opt[i][k].cpu()), (i, k)
 for p in model.local_parameters():  # the live state sits with its parameter, on the GPU
-    assert all(k == "step" or v.is_cuda for k, v in opt.state[p].items()), {k: v.device for k, v in opt.state[p].items()}
+    assert all(k == "step" or v.is_cuda for k, v in opt.state[p].items()), \
+        {k: v.device for k, v in opt.state[p].items()}
 print("GPU SINGLE OK", flush=True)

@@ -76,7 +76,8 @@ def check_allreduce():
     """dtypes x ops, eager and in one tf.function per dtype (all ops in one graph)."""
     for dtype in DTYPES:
         ops = [op for op in OPS if not (dtype == "bool" and op == "average")]
-        xs = {op: tf_input(dtype, R, 15, seed=DTYPES.index(dtype) * 10 + OPS.index(op), op=op, shape=(3, 5)) for op in ops}
+        xs = {op: tf_input(dtype, R, 15, seed=DTYPES.index(dtype) * 10 + OPS.index(op), op=op, shape=(3, 5))
+              for op in ops}
         want = {op: reduce_reference(dtype, op, [make_input(dtype, r, 15, DTYPES.index(dtype) * 10 + OPS.index(op), op)
                                                  for r in range(N)]).reshape(3, 5) for op in ops}
         for op in ops:
@@ -130,7 +131,8 @@ def check_oob_and_grouped():
     want = [sum(inputs(r)[i] for r in range(N)) for i in range(4)]
     c = sdp.runtime.core()
     for mode in ("eager", "function"):
-        fn = (lambda: sdp.grouped_allreduce(mine, op=sdp.Sum))
+        def fn():
+            return sdp.grouped_allreduce(mine, op=sdp.Sum)
         before = c.counters()["submitted"]
         got = fn() if mode == "eager" else tf.function(fn)()
         # One engine operation per dtype (the two float32 tensors travel packed together) and
@@ -638,7 +640,8 @@ def check_keras_lazy_model():
         assert not model.built
         model.compile(optimizer=sdpk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss=LOSS)
         callbacks = [sdpk.callbacks.BroadcastGlobalVariablesCallback(0)] if with_callback else []
-        fit = lambda: model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, callbacks=callbacks, verbose=0)
+        def fit():
+            return model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, callbacks=callbacks, verbose=0)
         if with_callback:
             fit()
             _weights_equal_across_ranks(model.get_weights(), "lazily built Sequential under model.fit")
@@ -650,7 +653,8 @@ def check_keras_lazy_model():
     for step in range(2):
         with tf.GradientTape() as tape:
             loss = LOSS(batch(R, step)[1], model(batch(R, step)[0]))
-        run = lambda: sdp.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        def run():
+            return sdp.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
         if step == 0:
             run()
         else:

@@ -42,8 +42,12 @@ def _topo():
 
 def rank() -> int: return _topo().rank
 def size() -> int: return _topo().size
-def local_rank() -> int: _topo(); return state.local_rank
-def local_size() -> int: _topo(); return state.local_size
+def local_rank() -> int:
+    _topo()
+    return state.local_rank
+def local_size() -> int:
+    _topo()
+    return state.local_size
 def pp_rank() -> int: return _topo().pp_rank
 def pp_size() -> int: return _topo().pp_size
 def mp_rank() -> int: return _topo().pp_rank
@@ -52,18 +56,32 @@ def dp_rank() -> int: return _topo().dp_rank
 def dp_size() -> int: return _topo().dp_size
 def rdp_rank() -> int: return _topo().dp_rank
 def rdp_size() -> int: return _topo().dp_size
-def tp_rank() -> int: _topo(); return 0
-def tp_size() -> int: _topo(); return 1
+def tp_rank() -> int:
+    _topo()
+    return 0
+def tp_size() -> int:
+    _topo()
+    return 1
 def get_mp_group() -> List[int]: return list(_topo().pp_group)
 def get_pp_group() -> List[int]: return list(_topo().pp_group)
 def get_dp_group() -> List[int]: return list(_topo().dp_group)
 def get_rdp_group() -> List[int]: return list(_topo().dp_group)
 def get_tp_group() -> List[int]: return [_topo().rank]
-def get_world_process_group(): _topo(); return dist.group.WORLD
-def get_mp_process_group(): _topo(); return state.pp_group
-def get_pp_process_group(): _topo(); return state.pp_group
-def get_dp_process_group(): _topo(); return state.dp_group
-def get_rdp_process_group(): _topo(); return state.dp_group
+def get_world_process_group():
+    _topo()
+    return dist.group.WORLD
+def get_mp_process_group():
+    _topo()
+    return state.pp_group
+def get_pp_process_group():
+    _topo()
+    return state.pp_group
+def get_dp_process_group():
+    _topo()
+    return state.dp_group
+def get_rdp_process_group():
+    _topo()
+    return state.dp_group
 
 
 def _members(group: CommGroup) -> List[int]:

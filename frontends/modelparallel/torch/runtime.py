@@ -373,7 +373,8 @@ class PipelineRuntime:
             if msg.kind in ("fwd", "bwd"):
                 self._spawn(self._serve, src, msg, tensors, specs, ready, name=f"smp-serve-{msg.kind}")
             elif msg.kind in ("fwd_done", "bwd_done", "out"):
-                key = (msg.kind, msg.fields["mb"], msg.fields["k"]) if msg.kind == "out" else (msg.kind, msg.fields["id"])
+                key = ((msg.kind, msg.fields["mb"], msg.fields["k"]) if msg.kind == "out"
+                       else (msg.kind, msg.fields["id"]))
                 self._deliver(key, (msg.body, tensors, specs, ready))
             elif msg.kind == "end":
                 return

@@ -7,9 +7,10 @@ from ..keras_flavour import keras as _keras_module
 
 keras = _keras_module()  # Keras 3, or tf-keras under TF_USE_LEGACY_KERAS=1: the model's flavour
 
-from .. import consistency as _consistency
-from .. import ops as _ops
-from ..runtime import core, size
+# After the flavour is chosen: these modules import keras themselves.
+from .. import consistency as _consistency  # noqa: E402
+from .. import ops as _ops  # noqa: E402
+from ..runtime import core, size  # noqa: E402
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):

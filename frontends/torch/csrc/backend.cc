@@ -10,28 +10,44 @@ namespace {
 // The core's DType codes (common.h); -1: not one the core carries.
 int32_t core_dtype(at::ScalarType t) {
   switch (t) {
-    case at::kHalf: return 0;
-    case at::kBFloat16: return 1;
-    case at::kFloat: return 2;
-    case at::kDouble: return 3;
-    case at::kChar: return 4;
-    case at::kByte: return 5;
-    case at::kInt: return 6;
-    case at::kLong: return 7;
-    case at::kBool: return 8;
-    default: return -1;
+    case at::kHalf:
+      return 0;
+    case at::kBFloat16:
+      return 1;
+    case at::kFloat:
+      return 2;
+    case at::kDouble:
+      return 3;
+    case at::kChar:
+      return 4;
+    case at::kByte:
+      return 5;
+    case at::kInt:
+      return 6;
+    case at::kLong:
+      return 7;
+    case at::kBool:
+      return 8;
+    default:
+      return -1;
   }
 }
 
 // The core's ReduceOp codes; -1: not one it computes (the Python side then says so).
 int32_t core_reduce(const c10d::ReduceOp& op) {
   switch (op.op_) {
-    case c10d::ReduceOp::SUM: return 0;
-    case c10d::ReduceOp::AVG: return 1;
-    case c10d::ReduceOp::MIN: return 2;
-    case c10d::ReduceOp::MAX: return 3;
-    case c10d::ReduceOp::PRODUCT: return 4;
-    default: return -1;
+    case c10d::ReduceOp::SUM:
+      return 0;
+    case c10d::ReduceOp::AVG:
+      return 1;
+    case c10d::ReduceOp::MIN:
+      return 2;
+    case c10d::ReduceOp::MAX:
+      return 3;
+    case c10d::ReduceOp::PRODUCT:
+      return 4;
+    default:
+      return -1;
   }
 }
 
@@ -99,8 +115,7 @@ std::shared_ptr<EngineLink> BackendSMDDP::cpu() {
   if (!cpu_) {
     py::gil_scoped_acquire gil;
     py::object engine = impl_.attr("_native_engine")();  // bootstraps the engine, once
-    cpu_ = std::make_shared<EngineLink>(reinterpret_cast<void*>(engine.attr("_address")().cast<uintptr_t>()),
-                                        engine);
+    cpu_ = std::make_shared<EngineLink>(reinterpret_cast<void*>(engine.attr("_address")().cast<uintptr_t>()), engine);
   }
   return cpu_;
 }
@@ -114,15 +129,13 @@ std::shared_ptr<CudaLink> BackendSMDDP::cuda(const at::Tensor& t) {
     py::object group = made[0];
     c10::Stream stream = c10::Stream::unpack3(made[1].cast<int64_t>(), made[2].cast<c10::DeviceIndex>(),
                                               static_cast<c10::DeviceType>(made[3].cast<int>()));
-    cuda_ = std::make_shared<CudaLink>(reinterpret_cast<void*>(group.attr("_address")().cast<uintptr_t>()), stream,
-                                       group);
+    cuda_ =
+        std::make_shared<CudaLink>(reinterpret_cast<void*>(group.attr("_address")().cast<uintptr_t>()), stream, group);
   }
   return cuda_;
 }
 
-std::string BackendSMDDP::next_name(const char* kind) {
-  return "t." + std::to_string(sequence_++) + "." + kind;
-}
+std::string BackendSMDDP::next_name(const char* kind) { return "t." + std::to_string(sequence_++) + "." + kind; }
 
 // The engine answers a (name, signature) it has agreed on before from its response cache:
 // ranks announce a 4-byte id instead of the description. c10d calls carry no names, so the CPU
@@ -151,11 +164,11 @@ std::string BackendSMDDP::reusable_name(const char* kind) {
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::submit_cpu(c10d::OpType type, const char* kind,
-                                                       const std::vector<at::Tensor>& ins,
-                                                       const std::vector<at::Tensor>& outs,
-                                                       const std::vector<smddp_signature>& sigs,
-                                                       const std::vector<std::vector<int64_t>>& per_rank,
-                                                       std::vector<at::Tensor> results, std::vector<at::Tensor> keep) {
+                                                        const std::vector<at::Tensor>& ins,
+                                                        const std::vector<at::Tensor>& outs,
+                                                        const std::vector<smddp_signature>& sigs,
+                                                        const std::vector<std::vector<int64_t>>& per_rank,
+                                                        std::vector<at::Tensor> results, std::vector<at::Tensor> keep) {
   auto link = cpu();
   std::vector<uint64_t> handles;
   std::vector<std::string> names;
@@ -166,9 +179,9 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::submit_cpu(c10d::OpType type, const
     // One tensor per call (DDP's buckets, FSDP's shards): a name that repeats each step. Several
     // in one call could need a name the same call still holds, so they take unique names.
     names.push_back(ins.size() == 1 ? reusable_name(kind) : next_name(kind));
-    uint64_t h = core().engine_submit(link->engine(), names.back().c_str(), &sigs[i], ins[i].data_ptr(),
-                                      out.data_ptr(), size_t(ins[i].numel()), out.nbytes(), per_rank[i].data(),
-                                      per_rank[i].size(), err.text, sizeof(err.text));
+    uint64_t h = core().engine_submit(link->engine(), names.back().c_str(), &sigs[i], ins[i].data_ptr(), out.data_ptr(),
+                                      size_t(ins[i].numel()), out.nbytes(), per_rank[i].data(), per_rank[i].size(),
+                                      err.text, sizeof(err.text));
     if (h == 0) {
       failure = err.text;
       break;
@@ -200,8 +213,8 @@ void* BackendSMDDP::launch_nccl(const std::shared_ptr<CudaLink>& link, const cha
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::finish_cuda(const std::shared_ptr<CudaLink>& link, c10d::OpType type,
-                                                        void* event, const std::vector<at::Tensor>& used,
-                                                        std::vector<at::Tensor> outputs) {
+                                                         void* event, const std::vector<at::Tensor>& used,
+                                                         std::vector<at::Tensor> outputs) {
   // The caching allocator must not hand these out again before the group's stream is done.
   auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
   for (const auto& t : used) impl->recordDataPtrOnStream(t.storage().data_ptr(), link->stream);
@@ -211,7 +224,7 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::finish_cuda(const std::shared_ptr<C
 // -- the fast paths ------------------------------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::allreduce(std::vector<at::Tensor>& tensors,
-                                                      const c10d::AllreduceOptions& opts) {
+                                                       const c10d::AllreduceOptions& opts) {
   int32_t reduce = core_reduce(opts.reduceOp);
   if (tensors.size() == 1 && reduce >= 0 && plain(tensors[0], c10::DeviceType::CUDA) && !p2p_may_be_held_) {
     const at::Tensor& t = tensors[0];
@@ -244,7 +257,7 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::allreduce(std::vector<at::Tensor>& 
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::_allgather_base(at::Tensor& output, at::Tensor& input,
-                                                            const c10d::AllgatherOptions& opts) {
+                                                             const c10d::AllgatherOptions& opts) {
   const int64_t P = getSize();
   bool same = output.defined() && input.defined() && output.scalar_type() == input.scalar_type() &&
               output.numel() == input.numel() * P;
@@ -273,7 +286,7 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::_allgather_base(at::Tensor& output,
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
-                                                                 const c10d::ReduceScatterOptions& opts) {
+                                                                  const c10d::ReduceScatterOptions& opts) {
   const int64_t P = getSize();
   int32_t reduce = core_reduce(opts.reduceOp);
   bool same = reduce >= 0 && output.defined() && input.defined() && output.scalar_type() == input.scalar_type() &&
@@ -298,14 +311,14 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::_reduce_scatter_base(at::Tensor& ou
   std::vector<int64_t> splits(size_t(P), output.numel());
   std::vector<std::vector<int64_t>> per_rank(1);
   std::vector<smddp_signature> sigs = {signature(kReduceScatter, input, reduce, shape, splits)};
-  return submit_cpu(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter", {input}, {output}, sigs, per_rank,
-                    {output}, {input, output});
+  return submit_cpu(c10d::OpType::_REDUCE_SCATTER_BASE, "reduce_scatter", {input}, {output}, sigs, per_rank, {output},
+                    {input, output});
 }
 
 // -- handed to Python ----------------------------------------------------------------------
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::broadcast(std::vector<at::Tensor>& tensors,
-                                                      const c10d::BroadcastOptions& opts) {
+                                                       const c10d::BroadcastOptions& opts) {
   // DDP broadcasts its buffers (BatchNorm statistics) as one flat tensor every step.
   if (tensors.size() == 1 && plain(tensors[0], c10::DeviceType::CUDA) && !p2p_may_be_held_ && opts.rootRank >= 0 &&
       opts.rootRank < getSize()) {
@@ -327,70 +340,67 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::broadcast(std::vector<at::Tensor>& 
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::allreduce_coalesced(std::vector<at::Tensor>& tensors,
-                                                                const c10d::AllreduceCoalescedOptions& opts) {
+                                                                 const c10d::AllreduceCoalescedOptions& opts) {
   p2p_may_be_held_ = false;
   return delegate("allreduce_coalesced", tensors, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> BackendSMDDP::reduce(std::vector<at::Tensor>& tensors,
-                                                   const c10d::ReduceOptions& opts) {
+c10::intrusive_ptr<c10d::Work> BackendSMDDP::reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) {
   p2p_may_be_held_ = false;
   return delegate("reduce", tensors, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                                                      std::vector<at::Tensor>& inputs,
-                                                      const c10d::AllgatherOptions& opts) {
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::AllgatherOptions& opts) {
   p2p_may_be_held_ = false;
   return delegate("allgather", outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                            std::vector<at::Tensor>& inputs,
-                                                                            const c10d::AllgatherOptions& opts) {
+                                                                             std::vector<at::Tensor>& inputs,
+                                                                             const c10d::AllgatherOptions& opts) {
   p2p_may_be_held_ = false;
   return delegate("allgather_into_tensor_coalesced", outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                                   std::vector<at::Tensor>& inputs,
-                                                   const c10d::GatherOptions& opts) {
+                                                    std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
   p2p_may_be_held_ = false;
   return delegate("gather", outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::scatter(std::vector<at::Tensor>& outputs,
-                                                    std::vector<std::vector<at::Tensor>>& inputs,
-                                                    const c10d::ScatterOptions& opts) {
+                                                     std::vector<std::vector<at::Tensor>>& inputs,
+                                                     const c10d::ScatterOptions& opts) {
   p2p_may_be_held_ = false;
   return delegate("scatter", outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::reduce_scatter(std::vector<at::Tensor>& outputs,
-                                                           std::vector<std::vector<at::Tensor>>& inputs,
-                                                           const c10d::ReduceScatterOptions& opts) {
+                                                            std::vector<std::vector<at::Tensor>>& inputs,
+                                                            const c10d::ReduceScatterOptions& opts) {
   p2p_may_be_held_ = false;
   return delegate("reduce_scatter", outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                            std::vector<at::Tensor>& inputs,
-                                                                            const c10d::ReduceScatterOptions& opts) {
+                                                                             std::vector<at::Tensor>& inputs,
+                                                                             const c10d::ReduceScatterOptions& opts) {
   p2p_may_be_held_ = false;
   return delegate("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::alltoall_base(at::Tensor& output, at::Tensor& input,
-                                                          std::vector<int64_t>& output_splits,
-                                                          std::vector<int64_t>& input_splits,
-                                                          const c10d::AllToAllOptions& opts) {
+                                                           std::vector<int64_t>& output_splits,
+                                                           std::vector<int64_t>& input_splits,
+                                                           const c10d::AllToAllOptions& opts) {
   p2p_may_be_held_ = false;
   return delegate("alltoall_base", output, input, output_splits, input_splits, opts);
 }
 
-c10::intrusive_ptr<c10d::Work> BackendSMDDP::alltoall(std::vector<at::Tensor>& outputs,
-                                                     std::vector<at::Tensor>& inputs,
-                                                     const c10d::AllToAllOptions& opts) {
+c10::intrusive_ptr<c10d::Work> BackendSMDDP::alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                                      const c10d::AllToAllOptions& opts) {
   p2p_may_be_held_ = false;
   return delegate("alltoall", outputs, inputs, opts);
 }
@@ -415,8 +425,8 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::barrier(const c10d::BarrierOptions&
 }
 
 c10::intrusive_ptr<c10d::Backend> BackendSMDDP::split(const c10::intrusive_ptr<c10d::Store>& store,
-                                                     const std::vector<int>& ranks,
-                                                     const c10::intrusive_ptr<Options>& opts) {
+                                                      const std::vector<int>& ranks,
+                                                      const c10::intrusive_ptr<Options>& opts) {
   py::gil_scoped_acquire gil;
   auto timeout = opts ? opts->timeout : timeout_;
   py::object child = impl_.attr("_split")(store, ranks, timeout.count());

@@ -27,225 +27,226 @@
 
 namespace __attribute__((visibility("hidden"))) smddp_torch {
 
-namespace py = pybind11;
+  namespace py = pybind11;
 
-// The core's C interface, read once from the `_core` capsule at import.
-const smddp_c_api& core();
-void load_core(py::capsule capsule);
+  // The core's C interface, read once from the `_core` capsule at import.
+  const smddp_c_api& core();
+  void load_core(py::capsule capsule);
 
-// An error message from the core, as a C string buffer.
-struct ErrorText {
-  char text[2048] = {0};
-};
+  // An error message from the core, as a C string buffer.
+  struct ErrorText {
+    char text[2048] = {0};
+  };
 
-class CpuWork;
+  class CpuWork;
 
-// A group's CPU engine, kept alive (with the Python object that owns it) by every Work that
-// uses it, and the thread that completes those Works as the engine finishes them.
-class EngineLink {
- public:
-  EngineLink(void* engine, py::object owner);
-  ~EngineLink();
-  void* engine() const { return engine_; }
-  // The Work is kept (with its buffers) until every handle has completed.
-  void track(const c10::intrusive_ptr<CpuWork>& work, const std::vector<uint64_t>& handles);
-  // Ends the completion thread once the engine has handed back every tracked operation.
-  void stop();
-  // At interpreter exit (atexit, before finalization): ends every link's thread now, failing
-  // what is still pending, while futures' Python callbacks can still take the GIL. A thread
-  // that reached Python during finalization would be killed inside C++ and abort the process.
-  static void stop_all_at_exit();
+  // A group's CPU engine, kept alive (with the Python object that owns it) by every Work that
+  // uses it, and the thread that completes those Works as the engine finishes them.
+  class EngineLink {
+   public:
+    EngineLink(void* engine, py::object owner);
+    ~EngineLink();
+    void* engine() const { return engine_; }
+    // The Work is kept (with its buffers) until every handle has completed.
+    void track(const c10::intrusive_ptr<CpuWork>& work, const std::vector<uint64_t>& handles);
+    // Ends the completion thread once the engine has handed back every tracked operation.
+    void stop();
+    // At interpreter exit (atexit, before finalization): ends every link's thread now, failing
+    // what is still pending, while futures' Python callbacks can still take the GIL. A thread
+    // that reached Python during finalization would be killed inside C++ and abort the process.
+    static void stop_all_at_exit();
 
- private:
-  void run();
-  static void on_completion(void* self, uint64_t handle);
+   private:
+    void run();
+    static void on_completion(void* self, uint64_t handle);
 
-  void* engine_;
-  py::object owner_;
-  std::mutex mutex_;
-  std::unordered_map<uint64_t, c10::intrusive_ptr<CpuWork>> works_;
-  std::atomic<bool> stop_{false};
-  std::atomic<bool> abandon_{false};  // exiting: do not wait for pending operations
-  std::thread thread_;
-};
+    void* engine_;
+    py::object owner_;
+    std::mutex mutex_;
+    std::unordered_map<uint64_t, c10::intrusive_ptr<CpuWork>> works_;
+    std::atomic<bool> stop_{false};
+    std::atomic<bool> abandon_{false};  // exiting: do not wait for pending operations
+    std::thread thread_;
+  };
 
-// One collective on CPU tensors: engine handles, completed by the EngineLink's thread.
-class CpuWork : public c10d::Work {
- public:
-  CpuWork(std::shared_ptr<EngineLink> link, c10d::OpType type, std::vector<at::Tensor> outputs,
-          std::vector<at::Tensor> keep, size_t handles);
-  bool wait(std::chrono::milliseconds timeout) override;
-  bool isCompleted() override;
-  bool isSuccess() const override;
-  std::exception_ptr exception() const override;
-  std::vector<at::Tensor> result() override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
-  // From the completion thread: one handle finished (error empty on success).
-  void handle_done(const std::string& error);
-  // Waits until every handle finished, without raising its error (that is the Work's owner's).
-  void wait_quietly();
+  // One collective on CPU tensors: engine handles, completed by the EngineLink's thread.
+  class CpuWork : public c10d::Work {
+   public:
+    CpuWork(std::shared_ptr<EngineLink> link, c10d::OpType type, std::vector<at::Tensor> outputs,
+            std::vector<at::Tensor> keep, size_t handles);
+    bool wait(std::chrono::milliseconds timeout) override;
+    bool isCompleted() override;
+    bool isSuccess() const override;
+    std::exception_ptr exception() const override;
+    std::vector<at::Tensor> result() override;
+    c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+    // From the completion thread: one handle finished (error empty on success).
+    void handle_done(const std::string& error);
+    // Waits until every handle finished, without raising its error (that is the Work's owner's).
+    void wait_quietly();
 
- private:
-  std::shared_ptr<EngineLink> link_;
-  std::vector<at::Tensor> outputs_;
-  std::vector<at::Tensor> keep_;  // inputs and staging the engine reads or writes
-  size_t remaining_;
-  std::string error_;
-  mutable std::mutex mutex_;
-  std::condition_variable cv_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
+   private:
+    std::shared_ptr<EngineLink> link_;
+    std::vector<at::Tensor> outputs_;
+    std::vector<at::Tensor> keep_;  // inputs and staging the engine reads or writes
+    size_t remaining_;
+    std::string error_;
+    mutable std::mutex mutex_;
+    std::condition_variable cv_;
+    c10::intrusive_ptr<c10::ivalue::Future> future_;
+  };
 
-// A group's NCCL communicator on one device, and the stream it runs on as torch sees it.
-struct CudaLink {
-  CudaLink(void* group, c10::Stream stream, py::object owner);
-  ~CudaLink();
-  void* group;
-  c10::Stream stream;
-  py::object owner;
-  std::string error() const;
-};
+  // A group's NCCL communicator on one device, and the stream it runs on as torch sees it.
+  struct CudaLink {
+    CudaLink(void* group, c10::Stream stream, py::object owner);
+    ~CudaLink();
+    void* group;
+    c10::Stream stream;
+    py::object owner;
+    std::string error() const;
+  };
 
-// One batch of NCCL work: an event on the group's stream.
-class CudaWork : public c10d::Work {
- public:
-  CudaWork(std::shared_ptr<CudaLink> link, c10d::OpType type, void* event, std::vector<at::Tensor> outputs);
-  ~CudaWork() override;
-  bool wait(std::chrono::milliseconds timeout) override;
-  void synchronize() override;
-  bool isCompleted() override;
-  bool isSuccess() const override;
-  std::exception_ptr exception() const override;
-  std::vector<at::Tensor> result() override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  // One batch of NCCL work: an event on the group's stream.
+  class CudaWork : public c10d::Work {
+   public:
+    CudaWork(std::shared_ptr<CudaLink> link, c10d::OpType type, void* event, std::vector<at::Tensor> outputs);
+    ~CudaWork() override;
+    bool wait(std::chrono::milliseconds timeout) override;
+    void synchronize() override;
+    bool isCompleted() override;
+    bool isSuccess() const override;
+    std::exception_ptr exception() const override;
+    std::vector<at::Tensor> result() override;
+    c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
- private:
-  std::shared_ptr<CudaLink> link_;
-  void* event_;
-  std::vector<at::Tensor> outputs_;
-  c10::intrusive_ptr<c10::ivalue::Future> future_;
-};
+   private:
+    std::shared_ptr<CudaLink> link_;
+    void* event_;
+    std::vector<at::Tensor> outputs_;
+    c10::intrusive_ptr<c10::ivalue::Future> future_;
+  };
 
-// The group's options as torch's split_group copies them (copy.deepcopy(backend.options)).
-struct OptionsSMDDP : c10d::Backend::Options {
-  explicit OptionsSMDDP(std::chrono::milliseconds timeout) : Options("smddp", timeout) {}
-};
+  // The group's options as torch's split_group copies them (copy.deepcopy(backend.options)).
+  struct OptionsSMDDP : c10d::Backend::Options {
+    explicit OptionsSMDDP(std::chrono::milliseconds timeout) : Options("smddp", timeout) {}
+  };
 
-// A Work the Python implementation returned. It keeps the Python object alive as long as
-// torch holds the Work, and answers every question through it (torch's own holder forwards
-// only wait and get_future; is_completed would read the empty C++ base).
-class DelegatedWork : public c10d::Work {
- public:
-  explicit DelegatedWork(py::object work);
-  ~DelegatedWork() override;
-  bool wait(std::chrono::milliseconds timeout) override;
-  bool isCompleted() override;
-  bool isSuccess() const override;
-  std::exception_ptr exception() const override;
-  std::vector<at::Tensor> result() override;
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  // A Work the Python implementation returned. It keeps the Python object alive as long as
+  // torch holds the Work, and answers every question through it (torch's own holder forwards
+  // only wait and get_future; is_completed would read the empty C++ base).
+  class DelegatedWork : public c10d::Work {
+   public:
+    explicit DelegatedWork(py::object work);
+    ~DelegatedWork() override;
+    bool wait(std::chrono::milliseconds timeout) override;
+    bool isCompleted() override;
+    bool isSuccess() const override;
+    std::exception_ptr exception() const override;
+    std::vector<at::Tensor> result() override;
+    c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
 
- private:
-  c10::intrusive_ptr<c10d::Work> work_;  // the Python Work, through torch's trampoline
-  py::object py_;
-};
+   private:
+    c10::intrusive_ptr<c10d::Work> work_;  // the Python Work, through torch's trampoline
+    py::object py_;
+  };
 
-class BackendSMDDP : public c10d::Backend {
- public:
-  // `impl`: the group's Python implementation (ProcessGroupSMDDP).
-  BackendSMDDP(py::object impl, int rank, int size, std::chrono::milliseconds timeout);
-  ~BackendSMDDP() override;
+  class BackendSMDDP : public c10d::Backend {
+   public:
+    // `impl`: the group's Python implementation (ProcessGroupSMDDP).
+    BackendSMDDP(py::object impl, int rank, int size, std::chrono::milliseconds timeout);
+    ~BackendSMDDP() override;
 
-  const std::string getBackendName() const override { return "smddp"; }
-  c10::intrusive_ptr<Options> getBackendOptions() override;
-  bool supportsSplitting() const override { return true; }
-  void setSequenceNumberForGroup() override {}
-  uint64_t getSequenceNumberForGroup() override { return sequence_.load(); }
+    const std::string getBackendName() const override { return "smddp"; }
+    c10::intrusive_ptr<Options> getBackendOptions() override;
+    bool supportsSplitting() const override { return true; }
+    void setSequenceNumberForGroup() override {}
+    uint64_t getSequenceNumberForGroup() override { return sequence_.load(); }
 
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
-                                           const c10d::AllreduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
-                                                      const c10d::ReduceScatterOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                             const c10d::AllreduceOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                   const c10d::AllgatherOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                        const c10d::ReduceScatterOptions& opts) override;
 
-  // Handed to the Python implementation.
-  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
-                                           const c10d::BroadcastOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
-                                                     const c10d::AllreduceCoalescedOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                                           std::vector<at::Tensor>& inputs,
-                                           const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                 std::vector<at::Tensor>& inputs,
-                                                                 const c10d::AllgatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                        std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
-                                         std::vector<std::vector<at::Tensor>>& inputs,
-                                         const c10d::ScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
-                                                std::vector<std::vector<at::Tensor>>& inputs,
-                                                const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
-                                                                 std::vector<at::Tensor>& inputs,
-                                                                 const c10d::ReduceScatterOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
-                                               std::vector<int64_t>& output_splits,
-                                               std::vector<int64_t>& input_splits,
-                                               const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-                                          const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
-  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
-  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
-  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
-                                          const c10::intrusive_ptr<Options>& opts) override;
-  void shutdown() override;
-  void abort() override;
+    // Handed to the Python implementation.
+    c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                             const c10d::BroadcastOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                       const c10d::AllreduceCoalescedOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                             std::vector<at::Tensor>& inputs,
+                                             const c10d::AllgatherOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                   std::vector<at::Tensor>& inputs,
+                                                                   const c10d::AllgatherOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                          std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                           std::vector<std::vector<at::Tensor>>& inputs,
+                                           const c10d::ScatterOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                  std::vector<std::vector<at::Tensor>>& inputs,
+                                                  const c10d::ReduceScatterOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                   std::vector<at::Tensor>& inputs,
+                                                                   const c10d::ReduceScatterOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                 std::vector<int64_t>& output_splits,
+                                                 std::vector<int64_t>& input_splits,
+                                                 const c10d::AllToAllOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                            const c10d::AllToAllOptions& opts) override;
+    c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+    c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+    c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
+    c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+    c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                            const c10::intrusive_ptr<Options>& opts) override;
+    void shutdown() override;
+    void abort() override;
 
-  py::object impl() const { return impl_; }
-  // Submissions the engine answered from its response cache, and in full (for tests and tools).
-  std::vector<uint64_t> engine_counters();
+    py::object impl() const { return impl_; }
+    // Submissions the engine answered from its response cache, and in full (for tests and tools).
+    std::vector<uint64_t> engine_counters();
 
- private:
-  // Calls the Python implementation's method of the same name; its Work is returned as is.
-  template <typename... Args>
-  c10::intrusive_ptr<c10d::Work> delegate(const char* method, Args&&... args);
-  std::shared_ptr<EngineLink> cpu();                   // made on first use
-  std::shared_ptr<CudaLink> cuda(const at::Tensor& t);  // made on first use, on t's device
-  std::string next_name(const char* kind);
-  // A name that repeats from step to step (see backend.cc), waiting first for this rank's
-  // previous operation of that name.
-  std::string reusable_name(const char* kind);
-  c10::intrusive_ptr<c10d::Work> submit_cpu(c10d::OpType type, const char* kind, const std::vector<at::Tensor>& ins,
-                                            const std::vector<at::Tensor>& outs, const std::vector<smddp_signature>& sigs,
-                                            const std::vector<std::vector<int64_t>>& per_rank,
-                                            std::vector<at::Tensor> results, std::vector<at::Tensor> keep);
-  // One NCCL collective on the group's stream: the argument check, the wait for the caller's
-  // stream, `enqueue` (returns 0 or fills the error), and the end event it returns.
-  template <typename Enqueue>
-  void* launch_nccl(const std::shared_ptr<CudaLink>& link, const char* kind, const smddp_signature& sig,
-                    const c10::Device& device, Enqueue enqueue);
-  c10::intrusive_ptr<c10d::Work> finish_cuda(const std::shared_ptr<CudaLink>& link, c10d::OpType type, void* event,
-                                             const std::vector<at::Tensor>& used, std::vector<at::Tensor> outputs);
+   private:
+    // Calls the Python implementation's method of the same name; its Work is returned as is.
+    template <typename... Args>
+    c10::intrusive_ptr<c10d::Work> delegate(const char* method, Args&&... args);
+    std::shared_ptr<EngineLink> cpu();                    // made on first use
+    std::shared_ptr<CudaLink> cuda(const at::Tensor& t);  // made on first use, on t's device
+    std::string next_name(const char* kind);
+    // A name that repeats from step to step (see backend.cc), waiting first for this rank's
+    // previous operation of that name.
+    std::string reusable_name(const char* kind);
+    c10::intrusive_ptr<c10d::Work> submit_cpu(c10d::OpType type, const char* kind, const std::vector<at::Tensor>& ins,
+                                              const std::vector<at::Tensor>& outs,
+                                              const std::vector<smddp_signature>& sigs,
+                                              const std::vector<std::vector<int64_t>>& per_rank,
+                                              std::vector<at::Tensor> results, std::vector<at::Tensor> keep);
+    // One NCCL collective on the group's stream: the argument check, the wait for the caller's
+    // stream, `enqueue` (returns 0 or fills the error), and the end event it returns.
+    template <typename Enqueue>
+    void* launch_nccl(const std::shared_ptr<CudaLink>& link, const char* kind, const smddp_signature& sig,
+                      const c10::Device& device, Enqueue enqueue);
+    c10::intrusive_ptr<c10d::Work> finish_cuda(const std::shared_ptr<CudaLink>& link, c10d::OpType type, void* event,
+                                               const std::vector<at::Tensor>& used, std::vector<at::Tensor> outputs);
 
-  py::object impl_;
-  std::chrono::milliseconds timeout_;
-  std::mutex links_mutex_;
-  std::shared_ptr<EngineLink> cpu_;
-  std::shared_ptr<CudaLink> cuda_;
-  std::atomic<uint64_t> sequence_{0};
-  std::mutex names_mutex_;
-  std::unordered_map<std::string, uint64_t> occurrences_;  // calls per kind
-  std::unordered_map<std::string, c10::weak_intrusive_ptr<CpuWork>> named_;  // last Work per name
-  // Point-to-point work on CUDA is held back by the Python side until it is waited on or a
-  // collective follows; while any may be held, CUDA collectives go through Python too, so
-  // they are launched after it, in program order.
-  std::atomic<bool> p2p_may_be_held_{false};
-};
+    py::object impl_;
+    std::chrono::milliseconds timeout_;
+    std::mutex links_mutex_;
+    std::shared_ptr<EngineLink> cpu_;
+    std::shared_ptr<CudaLink> cuda_;
+    std::atomic<uint64_t> sequence_{0};
+    std::mutex names_mutex_;
+    std::unordered_map<std::string, uint64_t> occurrences_;                    // calls per kind
+    std::unordered_map<std::string, c10::weak_intrusive_ptr<CpuWork>> named_;  // last Work per name
+    // Point-to-point work on CUDA is held back by the Python side until it is waited on or a
+    // collective follows; while any may be held, CUDA collectives go through Python too, so
+    // they are launched after it, in program order.
+    std::atomic<bool> p2p_may_be_held_{false};
+  };
 
 }  // namespace smddp_torch

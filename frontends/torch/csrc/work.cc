@@ -265,9 +265,9 @@ bool CudaWork::wait(std::chrono::milliseconds) {
   auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
   c10::Stream current = impl->getStream(link_->stream.device());
   ErrorText err;
-  TORCH_CHECK(core().event_block(event_, reinterpret_cast<uintptr_t>(current.native_handle()), err.text,
-                                 sizeof(err.text)) == 0,
-              "smddp: ", err.text);
+  TORCH_CHECK(
+      core().event_block(event_, reinterpret_cast<uintptr_t>(current.native_handle()), err.text, sizeof(err.text)) == 0,
+      "smddp: ", err.text);
   std::string error = link_->error();
   TORCH_CHECK(error.empty(), "smddp: ", error);
   return true;

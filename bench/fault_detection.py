@@ -51,7 +51,7 @@ def run_once(fault, worker, n, hosts, victim, timeout):
         if at is None or fault_at is None:
             return None
         delays.append(at - fault_at)
-        line = next((line for line in r.stdout.splitlines() if line.startswith("RAISED")), "")
+        line = next((line for line in r.stdout.splitlines() if line.startswith(("RAISED:", "RAISED after"))), "")
         named += (f"rank {victim}" in line or f"rank(s) {victim}" in line)
     return {"slowest_s": max(delays), "fastest_s": min(delays), "named": named, "survivors": n - 1}
 

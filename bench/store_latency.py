@@ -29,26 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "tests"))
-from world import WORKERS, free_port  # noqa: E402
-
-
-def frame(payload: bytes) -> bytes:
-    return struct.pack("<Q", len(payload)) + payload
-
-
-def recv_exactly(s: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = s.recv(n - len(data))
-        if not chunk:
-            raise ConnectionResetError("the store closed the connection")
-        data += chunk
-    return data
-
-
-def recv_frame(s: socket.socket) -> bytes:
-    (n,) = struct.unpack("<Q", recv_exactly(s, 8))
-    return recv_exactly(s, n)
+from world import WORKERS, frame, free_port, recv_frame  # noqa: E402
 
 
 def connect(port: int) -> socket.socket:

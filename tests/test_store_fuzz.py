@@ -17,8 +17,7 @@ FUZZ_SECONDS = float(os.environ.get("SMDDP_TEST_FUZZ_SECONDS", "8"))
 FUZZ_THREADS = int(os.environ.get("SMDDP_TEST_FUZZ_THREADS", "2"))
 
 
-def _frame(payload: bytes) -> bytes:
-    return struct.pack("<Q", len(payload)) + payload
+_frame = world.frame
 
 
 def _string(b: bytes) -> bytes:
@@ -100,10 +99,10 @@ def _store_get(port: int, secret: bytes, key: bytes, deadline: float) -> bytes:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
                 s.sendall(_frame(secret))
-                _recv_frame(s)  # the welcome
+                world.recv_frame(s)  # the welcome
                 while time.monotonic() < deadline:
                     s.sendall(_frame(b"\x02" + _string(key)))
-                    body = _recv_frame(s)
+                    body = world.recv_frame(s)
                     if body[0] == 1:
                         (n,) = struct.unpack_from("<I", body, 1)
                         return body[5:5 + n]
@@ -111,23 +110,6 @@ def _store_get(port: int, secret: bytes, key: bytes, deadline: float) -> bytes:
         except OSError:
             time.sleep(0.05)
     raise TimeoutError(f"store key {key!r} never appeared")
-
-
-def _recv_frame(s: socket.socket) -> bytes:
-    head = b""
-    while len(head) < 8:
-        chunk = s.recv(8 - len(head))
-        if not chunk:
-            raise OSError("closed")
-        head += chunk
-    (n,) = struct.unpack("<Q", head)
-    body = b""
-    while len(body) < n:
-        chunk = s.recv(n - len(body))
-        if not chunk:
-            raise OSError("closed")
-        body += chunk
-    return body
 
 
 def _bootstrap_input(rng: random.Random, port: int, secret: bytes, own_rank: int, held: list) -> None:

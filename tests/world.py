@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import subprocess
 import sys
 import uuid
@@ -29,6 +30,25 @@ class RankResult:
     @property
     def output(self) -> str:
         return self.stdout + self.stderr
+
+
+def frame(payload: bytes) -> bytes:
+    """A frame of the store and bootstrap protocols: u64 length, then the payload."""
+    return struct.pack("<Q", len(payload)) + payload
+
+
+def recv_frame(s: socket.socket) -> bytes:
+    """One frame from a store connection; ConnectionResetError if it closes first."""
+    def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = s.recv(n - len(data))
+            if not chunk:
+                raise ConnectionResetError("the store closed the connection")
+            data += chunk
+        return data
+    (n,) = struct.unpack("<Q", exactly(8))
+    return exactly(n)
 
 
 def free_port() -> int:

@@ -70,6 +70,7 @@ py::dict counters_dict(const Counters& c) {
   d["allreduce_bytes"] = c.allreduce_bytes.load();
   d["negotiation_round_trips"] = c.negotiation_round_trips.load();
   d["negotiation_bytes"] = c.negotiation_bytes.load();
+  d["hit_cycles"] = c.hit_cycles.load();
   d["cache_hits"] = c.cache_hits.load();
   d["cache_misses"] = c.cache_misses.load();
   d["cache_evictions"] = c.cache_evictions.load();

@@ -17,6 +17,11 @@ const std::vector<ConfigVar>& config_table() {
       {"SMDDP_CACHE_CAPACITY", "1024",
        "entries in the response cache; a cached tensor is negotiated by a 4-byte id instead "
        "of its full description"},
+      {"SMDDP_HIT_EXCHANGE", "1",
+       "1: ranks agree on cached collectives peer to peer, each sending every other rank the "
+       "cache ids it has ready (a bit-vector AND in the manner of Horovod's, one hop, no round "
+       "trip through rank 0; n-1 small messages per rank and cycle); 0: through rank 0. Must be "
+       "the same on every rank"},
       {"SMDDP_SHM_SLOT_BYTES", "4194304",
        "bytes of each rank's shared-memory staging slot used by the intra-host allreduce and "
        "broadcast (two slots per rank are allocated)"},
@@ -139,6 +144,7 @@ EngineConfig EngineConfig::from_environment() {
   c.timeout_s = config_double("SMDDP_TIMEOUT");
   c.fusion_bytes = config_int("SMDDP_FUSION_THRESHOLD");
   c.cache_capacity = config_int("SMDDP_CACHE_CAPACITY");
+  c.hit_exchange = config_int("SMDDP_HIT_EXCHANGE") != 0;
   c.shm_slot_bytes = config_int("SMDDP_SHM_SLOT_BYTES");
   c.shm_ring_bytes = config_int("SMDDP_SHM_RING_BYTES");
   c.ring_threshold = config_int("SMDDP_RING_THRESHOLD");

@@ -4,17 +4,12 @@
 #include <algorithm>
 #include <sstream>
 
+#include "response_builder.h"
 #include "validate.h"
 
 namespace smddp {
 
 namespace {
-
-int64_t element_count(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
 
 std::string rank_list(const std::vector<int>& ranks) {
   std::ostringstream o;
@@ -33,8 +28,10 @@ Response error_response(const std::string& name, const Signature& sig, const std
 
 }  // namespace
 
-Coordinator::Coordinator(int world_size, size_t cache_capacity, double stall_timeout_s, double stall_warning_s)
+Coordinator::Coordinator(int world_size, size_t cache_capacity, double stall_timeout_s, double stall_warning_s,
+                         bool hit_cycles)
     : size_(world_size),
+      hit_cycles_(hit_cycles),
       stall_timeout_s_(stall_timeout_s),
       stall_warning_s_(stall_warning_s),
       cache_(cache_capacity),
@@ -42,10 +39,7 @@ Coordinator::Coordinator(int world_size, size_t cache_capacity, double stall_tim
       applied_(world_size, 0) {}
 
 void Coordinator::receive(int from, const std::vector<Announcement>& list, uint64_t applied, int64_t now_us) {
-  if (from < 0 || from >= size_) throw Error("internal: announcement from rank " + std::to_string(from));
-  if (applied > seq_)
-    throw Error("rank " + std::to_string(from) + " says it applied response " + std::to_string(applied) +
-                ", but rank 0 has built only " + std::to_string(seq_));
+  acknowledge(from, applied);
   for (const auto& a : list) {
     std::string name = a.name;
     Signature sig = a.sig;
@@ -67,12 +61,6 @@ void Coordinator::receive(int from, const std::vector<Announcement>& list, uint6
     t.per_rank[from] = a.per_rank;
     if (++t.count == size_) ready_.push_back(name);
   }
-  // Announcements arrive in order on each rank's channel: from now on this rank names no id
-  // evicted by a message it has applied.
-  if (applied > applied_[from]) {
-    applied_[from] = applied;
-    release_retired_ids();
-  }
 }
 
 void Coordinator::rank_left(int rank) {
@@ -86,7 +74,8 @@ void Coordinator::release_retired_ids() {
   uint64_t everyone = seq_;
   for (int r = 1; r < size_; ++r)  // rank 0 applies each message as it builds it
     if (!gone_[r]) everyone = std::min(everyone, applied_[r]);
-  cache_.acknowledged(everyone);
+  // Without hit cycles no kHits can name an evicted id: acknowledgements alone decide.
+  cache_.acknowledged(everyone, hit_cycles_ ? cycles_completed_ : UINT64_MAX);
 }
 
 std::string Coordinator::describe_mismatch(const std::string& name, const Tally& t) const {
@@ -101,22 +90,42 @@ std::string Coordinator::describe_mismatch(const std::string& name, const Tally&
   return "";
 }
 
-ResponseMessage Coordinator::respond(int64_t fusion_bytes, int64_t now_us) {
+ResponseMessage Coordinator::respond(int64_t fusion_bytes, int64_t now_us, std::vector<uint32_t> handed_over) {
   ResponseMessage m;
-  open_.clear();
+  m.after_cycle = cycles_completed_;
+  m.handed_over = std::move(handed_over);
+  ResponseBuilder build(&m.responses, fusion_bytes);
   for (const auto& name : ready_) {
     auto it = tallies_.find(name);
     Tally t = std::move(it->second);
     tallies_.erase(it);
-    add_ready(name, std::move(t), fusion_bytes, m);
+    add_ready(name, std::move(t), build, m);
   }
   ready_.clear();
   add_stall_errors(now_us, m);
-  if (!m.responses.empty()) ++seq_;
+  if (!m.responses.empty() || !m.handed_over.empty()) ++seq_;
   return m;
 }
 
-void Coordinator::add_ready(const std::string& name, Tally t, int64_t fusion_bytes, ResponseMessage& m) {
+void Coordinator::acknowledge(int from, uint64_t applied) {
+  if (from < 0 || from >= size_) throw Error("internal: acknowledgement from rank " + std::to_string(from));
+  if (applied > seq_)
+    throw Error("rank " + std::to_string(from) + " says it applied response " + std::to_string(applied) +
+                ", but rank 0 has built only " + std::to_string(seq_));
+  // Messages arrive in order on each rank's channel: from now on this rank names no id
+  // evicted by a message it has applied.
+  if (applied > applied_[from]) {
+    applied_[from] = applied;
+    release_retired_ids();
+  }
+}
+
+void Coordinator::cycle_completed(uint64_t cycles) {
+  cycles_completed_ = cycles;
+  release_retired_ids();
+}
+
+void Coordinator::add_ready(const std::string& name, Tally t, ResponseBuilder& build, ResponseMessage& m) {
   const Signature& sig = t.sigs[0];
   std::string mismatch = describe_mismatch(name, t);
   if (!mismatch.empty()) {
@@ -133,34 +142,7 @@ void Coordinator::add_ready(const std::string& name, Tally t, int64_t fusion_byt
     }
   }
   // Agreed: cached from now on (the message being built is number seq_ + 1).
-  ResponseEntry entry{name, cache_.use(name, sig, seq_ + 1, &m.evicted)};
-  if (sig.op == OpType::kAllreduce && !sig.check_only) {
-    const int64_t bytes = element_count(sig.shape) * int64_t(dtype_size(sig.dtype));
-    OpenBucket* fit = nullptr;
-    for (auto& b : open_) {
-      const Signature& bs = m.responses[b.index].sig;
-      if (bs.dtype == sig.dtype && bs.reduce_op == sig.reduce_op && bs.prescale == sig.prescale &&
-          bs.postscale == sig.postscale) {
-        fit = &b;
-        break;
-      }
-    }
-    if (fit && fit->bytes + bytes <= fusion_bytes) {
-      m.responses[fit->index].entries.push_back(std::move(entry));
-      fit->bytes += bytes;
-      return;
-    }
-    // A new bucket; it replaces the full one of its kind as the one open for fusion.
-    if (fit)
-      *fit = {m.responses.size(), bytes};
-    else
-      open_.push_back({m.responses.size(), bytes});
-  }
-  Response r;
-  r.sig = sig;
-  r.entries.push_back(std::move(entry));
-  if (sig.op == OpType::kAllgather || sig.op == OpType::kAlltoall) r.per_rank = std::move(t.per_rank);
-  m.responses.push_back(std::move(r));
+  build.add({name, cache_.use(name, sig, seq_ + 1, cycles_completed_, &m.evicted)}, sig, std::move(t.per_rank));
 }
 
 void Coordinator::add_stall_errors(int64_t now_us, ResponseMessage& m) {

@@ -27,7 +27,9 @@ namespace smddp {
 
 class Coordinator {
  public:
-  Coordinator(int world_size, size_t cache_capacity, double stall_timeout_s, double stall_warning_s);
+  // hit_cycles: the engine also agrees on cached collectives in hit cycles (hit_agreement.h).
+  Coordinator(int world_size, size_t cache_capacity, double stall_timeout_s, double stall_warning_s,
+              bool hit_cycles = false);
 
   // Rank `from`'s announcements, in the order it made them. `applied`: how many response
   // messages that rank had applied when it sent them (it may still name ids evicted since).
@@ -35,9 +37,17 @@ class Coordinator {
   void receive(int from, const std::vector<Announcement>& list, uint64_t applied, int64_t now_us);
   // `rank` said goodbye: a collective it has not announced can never run.
   void rank_left(int rank);
-  // The next response message; no responses means there is nothing to send. Stall checks
-  // run at most every 100 ms of `now_us`.
-  ResponseMessage respond(int64_t fusion_bytes, int64_t now_us);
+  // How many response messages rank `from` has applied (it says so in every message).
+  void acknowledge(int from, uint64_t applied);
+  // Hit cycles rank 0 has completed: a response built now runs after that many, and ids
+  // evicted before the last of them may be reused once acknowledged (response_cache.h).
+  void cycle_completed(uint64_t cycles);
+  // The next response message, carrying `handed_over` (hit ids the coordinator takes over,
+  // see messages.h); no responses and no hand-overs means there is nothing to send. Stall
+  // checks run at most every 100 ms of `now_us`.
+  ResponseMessage respond(int64_t fusion_bytes, int64_t now_us, std::vector<uint32_t> handed_over = {});
+  // Whether some ranks have announced `name` and others not yet.
+  bool has_tally(const std::string& name) const { return tallies_.count(name) != 0; }
 
   ResponseCache& cache() { return cache_; }
   // Response messages built so far (the sequence number of the last one).
@@ -55,11 +65,12 @@ class Coordinator {
     bool stall_warned = false;
   };
   std::string describe_mismatch(const std::string& name, const Tally& t) const;
-  void add_ready(const std::string& name, Tally t, int64_t fusion_bytes, ResponseMessage& m);
+  void add_ready(const std::string& name, Tally t, class ResponseBuilder& build, ResponseMessage& m);
   void add_stall_errors(int64_t now_us, ResponseMessage& m);
   void release_retired_ids();
 
   int size_;
+  bool hit_cycles_;
   double stall_timeout_s_, stall_warning_s_;
   ResponseCache cache_;
   std::unordered_map<std::string, Tally> tallies_;
@@ -67,13 +78,8 @@ class Coordinator {
   std::vector<bool> gone_;          // ranks that said goodbye
   std::vector<uint64_t> applied_;   // per rank: response messages it has acknowledged
   uint64_t seq_ = 0;
+  uint64_t cycles_completed_ = 0;
   int64_t last_stall_check_us_ = 0;
-  // Buckets still open for fusion in the message being built: one per (dtype, op, scales).
-  struct OpenBucket {
-    size_t index;
-    int64_t bytes;
-  };
-  std::vector<OpenBucket> open_;
 };
 
 }  // namespace smddp

@@ -25,9 +25,11 @@ Engine::Engine(const WorldSpec& spec) : config_(EngineConfig::from_environment()
   fusion_bytes_ = config_.fusion_bytes;
   timeline_.open(config_.timeline_path, comm_->rank());
   rank_gone_.assign(comm_->size(), false);
+  const bool hit_cycles = config_.hit_exchange && config_.cache_capacity > 0;
   if (rank_ == 0)
     coordinator_ = std::make_unique<Coordinator>(size_, size_t(std::max<int64_t>(config_.cache_capacity, 0)),
-                                                 stall_timeout_s_, config_.stall_warning_s);
+                                                 stall_timeout_s_, config_.stall_warning_s, hit_cycles);
+  if (hit_cycles) hits_ = std::make_unique<HitAgreement>(size_, rank_);
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -243,6 +245,8 @@ void Engine::fail_everything(const std::string& message, const std::string& abor
   if (!abort_cause.empty()) comm_->abort(abort_cause);
   for (auto& e : victims) complete(e, message);
   pending_.clear();
+  hit_entries_.clear();
+  unlisted_hits_.clear();
   p2p_sends_.clear();
   p2p_recvs_.clear();
 }
@@ -283,8 +287,9 @@ void Engine::loop() {
   if (abort_message().empty() && size() > 1) {
     const std::string bye(1, char(MessageType::kGoodbye));
     // Each peer separately: one that has already left must not keep the others from hearing
-    // the goodbye (they would report this rank as dead).
-    for (int r = rank() == 0 ? 1 : 0; r < (rank() == 0 ? size() : 1); ++r) {
+    // the goodbye (they would report this rank as dead). Every peer, as hit cycles involve all.
+    for (int r = 0; r < size(); ++r) {
+      if (r == rank()) continue;
       try {
         comm_->send_message(r, kControlChannel, bye, "shutdown");
       } catch (const std::exception&) {
@@ -296,8 +301,8 @@ void Engine::loop() {
 
 bool Engine::step() {
   bool busy = announce_new_entries();
+  busy |= poll_control_messages();
   if (rank() == 0) {
-    busy |= poll_coordinator_messages();
     const int64_t now = now_us();
     if (size() > 1 && now - last_heartbeat_sent_us_ > kHeartbeatUs) {
       last_heartbeat_sent_us_ = now;
@@ -305,10 +310,14 @@ bool Engine::step() {
       for (int r = 1; r < size(); ++r)
         if (!rank_gone_[r]) comm_->send_message(r, kControlChannel, beat, "sending a heartbeat");
     }
-    busy |= send_responses();
-  } else if (!rank_gone_[0]) {
-    busy |= poll_responses();
-    check_coordinator_alive();
+  }
+  if (!rank0_left_handled_) {
+    busy |= progress_negotiation();
+    if (rank() != 0) {
+      check_coordinator_alive();
+      if (rank_gone_[0]) finish_after_rank0_left();
+    }
+    check_hit_cycle_alive();
   }
   busy |= progress_p2p();
   if (!busy && (!pending_.empty() || !p2p_sends_.empty() || !p2p_recvs_.empty())) {
@@ -317,7 +326,6 @@ bool Engine::step() {
     if (now - last_check > 10000) {
       last_check = now;
       comm_->check_alive("a collective");
-      if (rank() != 0) poll_peer_aborts();
     }
   }
   return busy;

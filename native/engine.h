@@ -17,6 +17,7 @@
 
 #include "comm.h"
 #include "coordinator.h"
+#include "hit_agreement.h"
 #include "messages.h"
 #include "response_cache.h"
 #include "timeline.h"
@@ -31,9 +32,10 @@ struct Counters {
   std::atomic<uint64_t> fused_responses{0};  // of which carried more than one tensor
   std::atomic<uint64_t> fused_tensors{0};    // tensors that travelled in a fused response
   std::atomic<uint64_t> allreduce_bytes{0};
-  std::atomic<uint64_t> negotiation_round_trips{0};  // announcement batches answered
+  std::atomic<uint64_t> negotiation_round_trips{0};  // response messages from rank 0 applied
+  std::atomic<uint64_t> hit_cycles{0};               // hit cycles completed (hit_agreement.h)
   std::atomic<uint64_t> negotiation_bytes{0};        // bytes this rank sent for negotiation
-  std::atomic<uint64_t> cache_hits{0};               // announced by cache id
+  std::atomic<uint64_t> cache_hits{0};               // found in the cache (listed in a hit cycle or announced by id)
   std::atomic<uint64_t> cache_misses{0};             // announced in full
   std::atomic<uint64_t> cache_evictions{0};          // ids this rank saw evicted
   std::atomic<uint64_t> p2p_messages{0};
@@ -53,7 +55,8 @@ struct Entry {
   std::vector<char> owned_output;
   std::vector<int64_t> result_counts;  // rows received from each rank (allgather/alltoall)
   int64_t submit_us = 0;
-  int64_t announce_us = 0;  // when the engine thread picked it up and announced it
+  int64_t announce_us = 0;                     // when the engine thread picked it up and announced it
+  uint32_t hit_id = Announcement::kNoCacheId;  // the cache id it waits under in hit cycles
   // Point-to-point fields.
   bool is_p2p = false, is_send = false;
   int peer = -1;
@@ -129,13 +132,21 @@ class Engine {
   void wake_engine();  // new work or shutdown: the background thread must look
   void complete(const std::shared_ptr<Entry>& e, const std::string& error);
 
-  // Negotiation (engine_negotiation.cc): moving announcements and responses between this
-  // rank and the coordinator, which decides (coordinator.h).
+  // Negotiation (engine_negotiation.cc): announcements to the coordinator, which decides
+  // (coordinator.h), hit cycles for cached collectives (hit_agreement.h), and running what
+  // both decide in the one order every rank shares (messages.h).
   bool announce_new_entries();
-  bool poll_coordinator_messages();  // rank 0: announcements from every rank
-  bool poll_responses();             // other ranks: responses from rank 0
-  bool send_responses();             // rank 0: the coordinator's next message, to everyone
+  void send_announcements(std::vector<Announcement> list);
+  void announce_in_full(uint32_t hit_id);                       // a hit whose id was evicted goes to rank 0
+  void taken_by_coordinator(int rank, uint32_t hit_id);         // rank's listing now answered by rank 0
+  void forward_to_coordinator(const HitAgreement::Listing& l);  // rank 0
+  bool poll_control_messages();                                 // every peer's control channel
+  bool progress_negotiation();  // responses, hit cycles and rank 0's next message, in order
+  void run_hit_cycle(HitAgreement::Outcome& out);
+  bool send_responses();  // rank 0: the coordinator's next message, to everyone
   void apply(const ResponseMessage& m);
+  uint64_t responses_applied() const;
+  uint64_t cycles_completed() const { return hits_ ? hits_->completed() : 0; }
   // The cache this rank announces from: rank 0's own table, or this rank's replica of it.
   ResponseCache& known_ids() { return coordinator_ ? coordinator_->cache() : replica_; }
 
@@ -148,9 +159,7 @@ class Engine {
   void abort_job(const std::exception& ex);
   std::string wait_for_root_cause(double seconds);
   void broadcast_abort(const std::string& cause);
-  // Other ranks: an abort sent directly by a rank other than rank 0 (see broadcast_abort).
-  void poll_peer_aborts();
-  std::vector<bool> quiet_peers_;  // peers whose control connection closed without an abort
+  std::vector<bool> quiet_peers_;  // peers whose control connection closed without a goodbye
 
   // Point-to-point (engine_p2p.cc).
   bool progress_p2p();
@@ -188,10 +197,14 @@ class Engine {
   std::thread thread_;
 
   // Background-thread state (no lock needed).
-  std::unordered_map<std::string, std::shared_ptr<Entry>> pending_;  // announced, not yet run
-  std::unique_ptr<Coordinator> coordinator_;                         // rank 0 only
-  ResponseCache replica_{0};                                         // other ranks: what rank 0's responses said
-  uint64_t responses_applied_ = 0;                                   // kRespond messages run (other ranks)
+  std::unordered_map<std::string, std::shared_ptr<Entry>> pending_;   // announced, not yet run
+  std::unique_ptr<Coordinator> coordinator_;                          // rank 0 only
+  ResponseCache replica_{0};                                          // other ranks: what rank 0's responses said
+  uint64_t responses_applied_ = 0;                                    // kRespond messages run (other ranks)
+  std::deque<ResponseMessage> waiting_responses_;                     // other ranks: until their after_cycle
+  std::unique_ptr<HitAgreement> hits_;                                // null with SMDDP_HIT_EXCHANGE=0
+  std::unordered_map<uint32_t, std::shared_ptr<Entry>> hit_entries_;  // queued for hit cycles, by id
+  std::vector<uint32_t> unlisted_hits_;                               // not yet in a kHits
   std::vector<char> fusion_buffer_;
   std::map<int, std::deque<std::shared_ptr<Entry>>> p2p_sends_, p2p_recvs_;
   // Receive side, per peer: the message being read (header, then payload into a posted
@@ -214,6 +227,13 @@ class Engine {
   // Other ranks: raises PeerError naming rank 0 when operations wait on negotiation and rank
   // 0 has been silent (no response, no heartbeat) for the stall timeout.
   void check_coordinator_alive();
+  // Other ranks, after rank 0's goodbye: fails what can no longer run, once everything rank 0
+  // decided before it left has run.
+  void finish_after_rank0_left();
+  bool rank0_left_handled_ = false;
+  // Any rank: raises PeerError naming the ranks a hit cycle waits on when they have sent
+  // nothing for the stall timeout, or closed their connection without a goodbye.
+  void check_hit_cycle_alive();
   void expire_p2p();  // after SMDDP_TIMEOUT without point-to-point progress
 };
 

@@ -64,28 +64,6 @@ void Engine::broadcast_abort(const std::string& cause) {
   }
 }
 
-void Engine::poll_peer_aborts() {
-  // Other ranks' control channels carry nothing but aborts (negotiation goes through rank 0).
-  // A connection closed without an abort is not a failure by itself: that rank may have
-  // finished (pipeline stages end at different times); if this rank needed it, the
-  // operation that did reports it.
-  std::string msg;
-  if (quiet_peers_.empty()) quiet_peers_.assign(size(), false);
-  for (int r = 1; r < size(); ++r) {
-    if (r == rank() || quiet_peers_[r]) continue;
-    Channel* ch = comm_->channel(r, kControlChannel);
-    try {
-      if (!ch->poll_message(&msg)) continue;
-    } catch (const PeerError&) {
-      quiet_peers_[r] = true;
-      continue;
-    }
-    Reader reader(std::move(msg));
-    if (MessageType(reader.get<uint8_t>()) == MessageType::kAbort) throw PeerError(reader.get_string());
-    throw Error("unexpected control message from rank " + std::to_string(r));
-  }
-}
-
 std::string Engine::wait_for_root_cause(double seconds) {
   auto start = Clock::now();
   std::vector<bool> closed(size(), false);

@@ -1,4 +1,5 @@
 // Running what negotiation decided: fused allreduce buckets and single collectives.
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 
@@ -35,6 +36,11 @@ void Engine::execute(const Response& r) {
     }
     auto e = it->second;
     pending_.erase(it);
+    if (e->hit_id != Announcement::kNoCacheId) {  // run by a hit cycle, or failed while listed
+      hit_entries_.erase(e->hit_id);
+      unlisted_hits_.erase(std::remove(unlisted_hits_.begin(), unlisted_hits_.end(), e->hit_id), unlisted_hits_.end());
+      e->hit_id = Announcement::kNoCacheId;
+    }
     entries.push_back(e);
     // Learn the id rank 0 assigned so the next announcement of this tensor is 4 bytes.
     if (!r.is_error && !coordinator_) replica_.learn(re.cache_id, re.name, e->sig);

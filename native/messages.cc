@@ -8,6 +8,17 @@ namespace smddp {
 
 namespace {
 bool ragged_first_dim(OpType op) { return op == OpType::kAllgather || op == OpType::kAlltoall; }
+
+void put_ids(Writer& w, const std::vector<uint32_t>& ids) {
+  w.put<uint32_t>(uint32_t(ids.size()));
+  for (uint32_t id : ids) w.put<uint32_t>(id);
+}
+
+std::vector<uint32_t> get_ids(Reader& r) {
+  std::vector<uint32_t> ids(r.get_count(sizeof(uint32_t)));
+  for (auto& id : ids) id = r.get<uint32_t>();
+  return ids;
+}
 }  // namespace
 
 std::string Signature::first_difference(const Signature& o) const {
@@ -107,8 +118,9 @@ AnnouncementMessage decode_announcements(Reader& r) {
 std::string encode_responses(const ResponseMessage& m) {
   Writer w;
   w.put<uint8_t>(uint8_t(MessageType::kRespond));
-  w.put<uint32_t>(uint32_t(m.evicted.size()));
-  for (uint32_t id : m.evicted) w.put<uint32_t>(id);
+  w.put<uint64_t>(m.after_cycle);
+  put_ids(w, m.handed_over);
+  put_ids(w, m.evicted);
   w.put<uint32_t>(uint32_t(m.responses.size()));
   for (const auto& resp : m.responses) {
     w.put<uint8_t>(resp.is_error);
@@ -127,8 +139,9 @@ std::string encode_responses(const ResponseMessage& m) {
 
 ResponseMessage decode_responses(Reader& r) {
   ResponseMessage m;
-  m.evicted.resize(r.get_count(sizeof(uint32_t)));
-  for (auto& id : m.evicted) id = r.get<uint32_t>();
+  m.after_cycle = r.get<uint64_t>();
+  m.handed_over = get_ids(r);
+  m.evicted = get_ids(r);
   // The smallest response: is_error, a signature of empty lists, no entries, no per_rank.
   constexpr size_t kMinSignature = 3 + 4 + 4 + 4 + 8 + 8 + 1;
   m.responses.resize(r.get_count(1 + kMinSignature + 4 + 4));
@@ -145,6 +158,26 @@ ResponseMessage decode_responses(Reader& r) {
     for (auto& v : resp.per_rank) v = r.get_i64s();
   }
   if (!r.done()) throw Error("malformed response message (trailing bytes)");
+  return m;
+}
+
+std::string encode_hits(const HitsMessage& m) {
+  Writer w;
+  w.put<uint8_t>(uint8_t(MessageType::kHits));
+  w.put<uint64_t>(m.cycle);
+  w.put<uint64_t>(m.responses_applied);
+  w.put<int64_t>(m.fusion_bytes);
+  put_ids(w, m.ids);
+  return w.take();
+}
+
+HitsMessage decode_hits(Reader& r) {
+  HitsMessage m;
+  m.cycle = r.get<uint64_t>();
+  m.responses_applied = r.get<uint64_t>();
+  m.fusion_bytes = r.get<int64_t>();
+  m.ids = get_ids(r);
+  if (!r.done()) throw Error("malformed hits message (trailing bytes)");
   return m;
 }
 

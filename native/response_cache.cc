@@ -28,6 +28,17 @@ const ResponseCache::Item& ResponseCache::resolve(uint32_t id, int from) const {
               ", which rank 0 never assigned (a corrupt message, or ranks of different versions)");
 }
 
+const ResponseCache::Item* ResponseCache::live_item(uint32_t id) const {
+  auto it = live_.find(id);
+  return it == live_.end() ? nullptr : &it->second.item;
+}
+
+void ResponseCache::touch(uint32_t id) {
+  auto it = live_.find(id);
+  if (it != live_.end() && it->second.recency != recency_.end())
+    recency_.splice(recency_.begin(), recency_, it->second.recency);
+}
+
 uint32_t ResponseCache::take_free_id() {
   if (!free_ids_.empty()) {
     uint32_t id = free_ids_.back();
@@ -38,7 +49,7 @@ uint32_t ResponseCache::take_free_id() {
   return next_id_++;
 }
 
-uint32_t ResponseCache::use(const std::string& name, const Signature& sig, uint64_t seq,
+uint32_t ResponseCache::use(const std::string& name, const Signature& sig, uint64_t seq, uint64_t cycle,
                             std::vector<uint32_t>* evicted) {
   if (capacity_ == 0) return kNone;
   std::string key = key_of(name, sig);
@@ -53,7 +64,7 @@ uint32_t ResponseCache::use(const std::string& name, const Signature& sig, uint6
     recency_.pop_back();
     Live& old = live_.at(victim);
     by_key_.erase(old.key);
-    retired_[victim] = Retired{std::move(old.item), seq};
+    retired_[victim] = Retired{std::move(old.item), seq, cycle};
     live_.erase(victim);
     evicted->push_back(victim);
     ++evictions_;
@@ -65,9 +76,9 @@ uint32_t ResponseCache::use(const std::string& name, const Signature& sig, uint6
   return id;
 }
 
-void ResponseCache::acknowledged(uint64_t seq) {
+void ResponseCache::acknowledged(uint64_t seq, uint64_t cycles) {
   for (auto it = retired_.begin(); it != retired_.end();) {
-    if (it->second.seq <= seq) {
+    if (it->second.seq <= seq && it->second.cycle < cycles) {
       free_ids_.push_back(it->first);
       it = retired_.erase(it);
     } else {

@@ -9,7 +9,9 @@
 // - An evicted id is retired, not reused at once. A rank may announce it before it has read
 //   the response that evicted it, so rank 0 still resolves it until every rank has
 //   acknowledged that response (each announcement message carries how many responses its
-//   sender has applied). Only then does the id go back to the free list. So an id never
+//   sender has applied) and the hit cycle after the eviction has completed on rank 0 (a kHits
+//   sent just before its sender applied the eviction may still name it: hit_agreement.h
+//   drops such listings). Only then does the id go back to the free list. So an id never
 //   means two things to two ranks at the same time, and ids stay below capacity plus the
 //   few evictions in flight.
 #pragma once
@@ -40,16 +42,22 @@ class ResponseCache {
   // Rank 0: what an id announced by rank `from` stands for, live or retired; an id rank 0
   // never gave out is a protocol error naming that rank.
   const Item& resolve(uint32_t id, int from) const;
+  // Any rank: what a live id stands for, or null once evicted (or never assigned).
+  const Item* live_item(uint32_t id) const;
+  // Rank 0: a live id was used again (a hit cycle ran it): the most recently used now.
+  void touch(uint32_t id);
 
-  // Rank 0, while building response message number `seq`: the id of (name, sig), now the
-  // most recently used. A pair not cached yet gets an id, evicting the least recently used
-  // entry if the table is full (its id is appended to `evicted` and retired as of `seq`).
-  // kNone when the capacity is 0.
-  uint32_t use(const std::string& name, const Signature& sig, uint64_t seq, std::vector<uint32_t>* evicted);
+  // Rank 0, while building response message number `seq` after `cycle` hit cycles: the id
+  // of (name, sig), now the most recently used. A pair not cached yet gets an id, evicting
+  // the least recently used entry if the table is full (its id is appended to `evicted` and
+  // retired as of `seq` and `cycle`). kNone when the capacity is 0.
+  uint32_t use(const std::string& name, const Signature& sig, uint64_t seq, uint64_t cycle,
+               std::vector<uint32_t>* evicted);
 
-  // Rank 0: every rank has applied the responses up to message `seq`; ids retired by then
-  // can be given out again.
-  void acknowledged(uint64_t seq);
+  // Rank 0: every rank has applied the responses up to message `seq`, and `cycles` hit
+  // cycles have completed; ids retired by message s after cycle k can be given out again
+  // once seq >= s and cycles > k.
+  void acknowledged(uint64_t seq, uint64_t cycles);
 
   // Other ranks (replicas): apply what a response says, in response order. Rank 0 never
   // calls these: its table changed as it built the response.
@@ -71,7 +79,8 @@ class ResponseCache {
   };
   struct Retired {
     Item item;
-    uint64_t seq;  // the response message that evicted it
+    uint64_t seq;    // the response message that evicted it
+    uint64_t cycle;  // the hit cycle that message ran after
   };
   static std::string key_of(const std::string& name, const Signature& sig);
   uint32_t take_free_id();

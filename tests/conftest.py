@@ -27,6 +27,7 @@ def pytest_configure(config):
 # and carry the `inprocess` marker: `python -m pytest tests -m inprocess` runs that tier alone
 # in seconds. Everything that starts rank processes comes after.
 _IN_PROCESS_MODULES = {"test_bucket_plan", "test_collective_args", "test_config_table", "test_coordinator",
+                       "test_hit_agreement",
                        "test_discovery"}
 # Modules that mix both: a test is in-process when its own code starts nothing.
 _MIXED_MODULES = {"test_modelparallel"}

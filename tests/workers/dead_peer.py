@@ -25,13 +25,15 @@ def main(mode, victim=None):
     core = engine.init()
     P, me = core.size, core.rank
     x = np.ones(4 << 20, np.float32)
-    core.allreduce(x, name="warmup")
-    if me == (P - 1 if victim is None else victim):
-        if mode == "before":
-            die()
-        # "during": die while the collective below is in flight.
-        threading.Timer(0.3, die).start()
     try:
+        # A survivor may still be finishing this one when the victim, done with it, dies: a
+        # peer on its host sees the death then (it watches its local peers' pids).
+        core.allreduce(x, name="warmup")
+        if me == (P - 1 if victim is None else victim):
+            if mode == "before":
+                die()
+            # "during": die while the collective below is in flight.
+            threading.Timer(0.3, die).start()
         for i in range(100000):
             core.allreduce(x, name=f"big.{i % 2}")
     except engine.SmddpError as e:

@@ -1,7 +1,9 @@
 """Ranks that disagree, or misuse the API; every rank must raise a clear error, none hang.
 
 Usage: errors.py CASE. Prints "RAISED: <message>" for each expected error and "DONE" when
-the engine is still usable afterwards.
+the engine is still usable afterwards. CASE "warm_<case>" first runs the same collective
+correctly twice on every rank, so it is cached: the disagreement then meets a cache hit
+(agreed in hit cycles) on the ranks that did not change it.
 """
 import os
 import sys
@@ -21,9 +23,22 @@ def expect_error(fn):
     raise AssertionError("expected an error")
 
 
+def warm_up(core, case):
+    for _ in range(2):
+        if case == "broadcast_root":
+            core.broadcast(np.zeros(4, np.float32), root=0, name="w.root")
+        elif case in ("shape", "dtype", "op"):
+            core.allreduce(np.zeros(4, np.float32), name="w." + case)
+        elif case == "missing":
+            core.allreduce(np.ones(4, np.float32), name="lonely")
+
+
 def main(case):
     core = engine.init()
     P, me = core.size, core.rank
+    if case.startswith("warm_"):
+        case = case[len("warm_"):]
+        warm_up(core, "broadcast_root" if case == "root" else case)
     if case == "shape":
         expect_error(lambda: core.allreduce(np.zeros(4 + me, np.float32), name="w.shape"))
     elif case == "dtype":

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -33,26 +32,21 @@ SCENARIOS = [  # (fault, worker, ranks, hosts, victim)
 ]
 
 
-def stamp(text: str, key: str):
-    m = re.search(key + r"=([0-9.]+)", text)
-    return float(m.group(1)) if m else None
-
-
 def run_once(fault, worker, n, hosts, victim, timeout):
     args = ["during", str(victim)] if worker == "dead_peer.py" else [str(victim)]
     results = run_world(n, worker, args, env={"SMDDP_TIMEOUT": str(timeout)}, hosts=hosts,
                         kill_after_others=[victim] if fault == "SIGSTOP" else (), timeout=120)
-    fault_at = stamp(results[victim].stdout, "FAULT_AT")
+    faults = results[victim].events("fault")
     delays, named = [], 0
     for r in results:
         if r.rank == victim:
             continue
-        at = stamp(r.stdout, "RAISED_AT")
-        if at is None or fault_at is None:
+        raised = r.events("raised")
+        if not raised or not faults:
             return None
-        delays.append(at - fault_at)
-        line = next((line for line in r.stdout.splitlines() if line.startswith(("RAISED:", "RAISED after"))), "")
-        named += (f"rank {victim}" in line or f"rank(s) {victim}" in line)
+        delays.append(raised[0]["at"] - faults[0]["at"])
+        message = raised[0]["message"]
+        named += (f"rank {victim}" in message or f"rank(s) {victim}" in message)
     return {"slowest_s": max(delays), "fastest_s": min(delays), "named": named, "survivors": n - 1}
 
 

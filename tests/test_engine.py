@@ -1,14 +1,11 @@
 """The engine's negotiation: order-independent matching, fusion, and the response cache."""
-import json
-
 import pytest
 
 from world import assert_all_ok, run_world
 
 
 def counters_of(result):
-    line = next(line for line in result.stdout.splitlines() if line.startswith("COUNTERS "))
-    return json.loads(line[len("COUNTERS "):])
+    return result.event("counters")["steps"]
 
 
 # Cached collectives are agreed in hit cycles, peer to peer (SMDDP_HIT_EXCHANGE=1, the

@@ -6,13 +6,16 @@ that only guards against hangs; no test asserts how fast anything is.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -26,10 +29,28 @@ class RankResult:
     returncode: int
     stdout: str
     stderr: str
+    # What the worker reported through tests/workers/report.py, in order.
+    reports: List[dict] = field(default_factory=list)
 
     @property
     def output(self) -> str:
         return self.stdout + self.stderr
+
+    def events(self, event: str) -> List[dict]:
+        """Every report of this kind, in the order the rank made them."""
+        return [r for r in self.reports if r["event"] == event]
+
+    def event(self, event: str) -> dict:
+        """The one report of this kind (an assertion error naming the rank's output if not)."""
+        found = self.events(event)
+        assert len(found) == 1, f"rank {self.rank}: {len(found)} '{event}' reports\n{self.output}"
+        return found[0]
+
+
+def read_reports(path: Path) -> List[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def frame(payload: bytes) -> bytes:
@@ -81,6 +102,7 @@ def run_world(
     test can act on the others' bootstrap first."""
     port = port or free_port()
     secret = secret or uuid.uuid4().hex
+    report_dir = Path(tempfile.mkdtemp(prefix="smddp-reports-"))
     per_host = (nranks + hosts - 1) // hosts
     procs: Dict[int, subprocess.Popen] = {}
     launch_order = [r for r in range(nranks) if r not in held] + list(held)
@@ -94,6 +116,7 @@ def run_world(
             SMDDP_RANK=str(rank), SMDDP_SIZE=str(nranks), SMDDP_LOCAL_RANK=str(rank - host * per_host),
             SMDDP_LOCAL_SIZE=str(local_size), SMDDP_STORE_ADDR="127.0.0.1", SMDDP_STORE_PORT=str(port),
             SMDDP_SECRET=secret, SMDDP_HOST=f"simhost{host}" if hosts > 1 else "", PYTHONUNBUFFERED="1",
+            SMDDP_TEST_REPORT=str(report_dir / f"rank{rank}.jsonl"),
         )
         e.setdefault("SMDDP_TIMEOUT", "20")
         if not e["SMDDP_HOST"]:
@@ -116,12 +139,13 @@ def run_world(
             if rank in kill_after_others and p.poll() is None:
                 p.kill()
             out, err = p.communicate(timeout=timeout)
-            results[rank] = RankResult(rank, p.returncode, out, err)
+            results[rank] = RankResult(rank, p.returncode, out, err, read_reports(report_dir / f"rank{rank}.jsonl"))
     finally:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        shutil.rmtree(report_dir, ignore_errors=True)
     return [results[r] for r in range(nranks)]
 
 

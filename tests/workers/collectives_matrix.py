@@ -1,12 +1,17 @@
 """Every collective x dtype (x op) through the core, checked against numpy on every rank.
 
 Sizes include 0, 1, odd, and larger than the fusion threshold and the shared-memory slot
-(the test sets both small), so multi-round and fused paths run too.
+(the test sets both small), so multi-round and fused paths run too. Each group of checks
+reports {"event": "checked", "collective": ..., "ok": ..., "error": ...} (report.py); a
+wrong result in one group is reported and the others still run (results are compared after
+each collective completes, so the ranks stay in step).
 """
 import sys
+import traceback
 
 import numpy as np
 from reference import DTYPES, OPS, assert_close, make_input, reduce_reference, storage_dtype
+from report import report
 
 from smdistributed.common import engine
 
@@ -157,14 +162,30 @@ def check_async(core, P, me):
     assert np.allclose(x, sum(range(P))), x
 
 
+CHECKS = {
+    "allreduce": check_allreduce,
+    "broadcast_reduce": check_broadcast_reduce,
+    "allgather": check_allgather,
+    "reduce_scatter": check_reduce_scatter,
+    "alltoall": check_alltoall,
+    "p2p_and_barrier": check_p2p_and_barrier,
+    "async": check_async,
+}
+
+
 def main():
     core = engine.init()
     P, me = core.size, core.rank
-    for check in (check_allreduce, check_broadcast_reduce, check_allgather, check_reduce_scatter, check_alltoall,
-                  check_p2p_and_barrier, check_async):
-        check(core, P, me)
-    print(f"rank {me}: all collectives ok, hosts={core.num_hosts}", flush=True)
+    failed = 0
+    for name, check in CHECKS.items():
+        try:
+            check(core, P, me)
+            report("checked", collective=name, ok=True, hosts=core.num_hosts)
+        except AssertionError:
+            failed += 1
+            report("checked", collective=name, ok=False, hosts=core.num_hosts, error=traceback.format_exc())
     engine.shutdown()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

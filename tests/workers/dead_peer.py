@@ -2,7 +2,8 @@
 
 usage: dead_peer.py before|during [VICTIM]
 The survivors must raise within SMDDP_TIMEOUT with a message naming the dead rank. The
-victim prints FAULT_AT=<wall time> just before it dies and survivors RAISED_AT=<wall time>,
+victim reports "fault" {at: wall time} just before it dies, survivors "raised" {at,
+message} and then "again" {message} for a later call that must fail at once (report.py),
 so bench/fault_detection.py can time how long every rank took to learn of it.
 """
 import os
@@ -12,12 +13,13 @@ import threading
 import time
 
 import numpy as np
+from report import report
 
 from smdistributed.common import engine
 
 
 def die():
-    print(f"FAULT_AT={time.time():.6f}", flush=True)
+    report("fault", at=time.time())
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -37,13 +39,12 @@ def main(mode, victim=None):
         for i in range(100000):
             core.allreduce(x, name=f"big.{i % 2}")
     except engine.SmddpError as e:
-        print(f"RAISED_AT={time.time():.6f}", flush=True)
-        print("RAISED: " + str(e), flush=True)
+        report("raised", at=time.time(), message=str(e))
         # Later calls fail at once with the same reason instead of hanging.
         try:
             core.allreduce(np.ones(2, np.float32), name="after")
         except engine.SmddpError as e2:
-            print("AGAIN: " + str(e2), flush=True)
+            report("again", message=str(e2))
         sys.exit(0)
     raise AssertionError("the dead peer was never noticed")
 

@@ -1,7 +1,7 @@
 """Ranks that disagree, or misuse the API; every rank must raise a clear error, none hang.
 
-Usage: errors.py CASE. Prints "RAISED: <message>" for each expected error and "DONE" when
-the engine is still usable afterwards. CASE "warm_<case>" first runs the same collective
+Usage: errors.py CASE. Reports (report.py) a "raised" event with the message of each
+expected error, and "usable" when the engine still works afterwards. CASE "warm_<case>" first runs the same collective
 correctly twice on every rank, so it is cached: the disagreement then meets a cache hit
 (agreed in hit cycles) on the ranks that did not change it.
 """
@@ -10,6 +10,7 @@ import sys
 import time
 
 import numpy as np
+from report import report
 
 from smdistributed.common import engine
 
@@ -18,7 +19,7 @@ def expect_error(fn):
     try:
         fn()
     except engine.SmddpError as e:
-        print("RAISED: " + str(e), flush=True)
+        report("raised", message=str(e))
         return
     raise AssertionError("expected an error")
 
@@ -60,7 +61,8 @@ def main(case):
                 time.sleep(0.01)
             w = core.allreduce(np.ones(4, np.float32), name="dup", async_op=True)
         w.wait()
-        print("RAISED: (rank %d submitted once)" % me if me else "", flush=True)
+        if me:
+            report("raised", message="(rank %d submitted once)" % me)
     elif case == "missing":
         # The last rank never submits "lonely": the others fail after SMDDP_TIMEOUT, naming it.
         # It waits (outside the engine) until they have failed, then everyone goes on.
@@ -71,19 +73,19 @@ def main(case):
         else:
             while not all(os.path.exists(os.path.join(sync, f"failed.{r}")) for r in range(P - 1)):
                 time.sleep(0.02)
-            print("RAISED: (the missing rank)", flush=True)
+            report("raised", message="(the missing rank)")
     elif case == "bad_root":
         try:
             core.broadcast(np.zeros(2, np.float32), root=P + 3)
         except engine.SmddpError as e:
-            print("RAISED: " + str(e), flush=True)
+            report("raised", message=str(e))
     else:
         raise SystemExit("unknown case " + case)
     # After a per-tensor error the engine keeps working.
     x = np.full(3, float(me), np.float32)
     core.allreduce(x, name="after")
     assert np.allclose(x, sum(range(P))), x
-    print("DONE", flush=True)
+    report("usable")
     engine.shutdown()
 
 

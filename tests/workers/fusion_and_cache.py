@@ -2,17 +2,17 @@
 
 Mode "batch" submits each step's tensors as one batch (core.batch()), so every rank
 announces them in one message and they become ready together: fusion and the cache's
-effect on negotiation are then deterministic and the counters (printed as JSON) can be
-checked exactly. Mode "stream" submits them one by one: only correctness is checked.
+effect on negotiation are then deterministic and the counters (reported per step as a
+"counters" event, report.py) can be checked exactly. Mode "stream" submits them one by one: only correctness is checked.
 Mode "evict" (run with a small SMDDP_CACHE_CAPACITY) streams a working set of names that
 slides every few steps, so the cache both hits and evicts while announcements by id are
 still in flight: every element is checked.
 """
 import contextlib
-import json
 import sys
 
 import numpy as np
+from report import report
 
 from smdistributed.common import engine
 
@@ -36,7 +36,7 @@ def sliding_working_set(core):
         for n, a in arrays.items():
             assert np.all(a == sum(r * 10 + n + step for r in range(P))), (step, n, a)
     after = core.counters()
-    print("COUNTERS " + json.dumps([{k: after[k] - before[k] for k in after}]), flush=True)
+    report("counters", steps=[{k: after[k] - before[k] for k in after}])
     engine.shutdown()
 
 
@@ -64,7 +64,7 @@ def main(mode):
             assert np.all(arrays[i] == want), (i, arrays[i][:3], want)
         after = core.counters()
         per_step.append({k: after[k] - before[k] for k in after})
-    print("COUNTERS " + json.dumps(per_step), flush=True)
+    report("counters", steps=per_step)
     engine.shutdown()
 
 

@@ -4,6 +4,7 @@ import sys
 import time
 
 import numpy as np
+from report import report
 
 from smdistributed.common import engine
 
@@ -15,7 +16,7 @@ def main():
         try:
             core.recv(np.empty(4, np.float32), 0, tag=99)
         except engine.SmddpError as e:
-            print(f"RAISED after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+            report("raised", after_s=time.monotonic() - t0, message=str(e))
         else:
             raise AssertionError("a receive without a sender completed")
     else:
@@ -32,7 +33,7 @@ def main():
     # Rank 0's goodbye ends all communication (docs/core.md): without this barrier rank 1's
     # receive could be submitted after it, and be refused although the message had arrived.
     core.barrier(name="before-exit")
-    print(f"rank {core.rank}: p2p orphan ok", flush=True)
+    report("usable")
     engine.shutdown()
 
 

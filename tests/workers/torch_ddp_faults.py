@@ -12,6 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from report import report
 
 import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401
 
@@ -35,7 +36,7 @@ def main(case):
             ddp(torch.randn(8, 32)).sum().backward()
             opt.step()
         except RuntimeError as e:
-            print(f"RAISED after {time.monotonic() - t0:.1f} s: {str(e).splitlines()[0]}", flush=True)
+            report("raised", after_s=time.monotonic() - t0, message=str(e).splitlines()[0])
             os._exit(0)  # the group is gone; leave without a goodbye to the stopped peer
     raise AssertionError("training went on past the failure")
 

@@ -46,7 +46,8 @@ def test_cuda_every_collective_and_dtype():
     results = run_world(WORLD, "torch_collectives.py", gpus=True, timeout=600)
     assert_all_ok(results)
     for r in results:
-        assert f"TORCH COLLECTIVES OK world={WORLD}" in r.stdout, r.output
+        checked = r.events("checked")
+        assert len(checked) == 9 and all(c["ok"] and c["device"] == "cuda" for c in checked), r.output
 
 
 @needs_two_gpus
@@ -184,7 +185,7 @@ def test_cuda_modelparallel_pipeline_trains_like_one_gpu(model, mode, pipeline):
     results = run_world(WORLD, "smp_pipeline.py", [model, mode, pipeline, "2", "4", "5"], gpus=True, timeout=300)
     assert_all_ok(results)
     for r in results:
-        report = json.loads(r.stdout.strip().splitlines()[-1])
+        report = r.event("trained")
         assert report["param_rel_err"] < 1e-5 and report["loss_rel_err"] < 1e-5, report
 
 

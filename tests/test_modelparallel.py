@@ -150,7 +150,7 @@ CASES = [("skip", "manual", "simple"), ("skip", "manual", "interleaved"), ("skip
 def test_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):
     results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(parts), "4", "5"], timeout=120)
     assert_all_ok(results)
-    reports = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    reports = [r.event("trained") for r in results]
     owned = [set(r["local"]) for r in reports if r["dp_rank"] == 0]
     assert set().union(*owned) and sum(len(o) for o in owned) == len(set().union(*owned)), owned
     if mode == "manual" or model == "skip":
@@ -166,7 +166,7 @@ def test_a_rank_that_holds_no_parameters_still_steps():
     other rank owns nothing, serves nothing, and its optimizer steps nothing."""
     results = run_world(2, "smp_pipeline.py", ["seq", "manual", "simple", "2", "2", "3"], timeout=120)
     assert_all_ok(results)
-    reports = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    reports = [r.event("trained") for r in results]
     assert reports[1]["local"] == [] and reports[0]["local"]
     assert all(r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5 for r in reports), reports
 
@@ -249,7 +249,7 @@ def test_partial_and_full_checkpoints_resume_the_same_training(parts, procs, tmp
     for phase in ("first", "resume_partial", "resume_full", "ckpt_partial", "ckpt_full"):
         results = run_world(procs, "smp_checkpoint.py", [str(tmp_path), phase, *layout], timeout=120)
         assert_all_ok(results)
-        runs[phase] = json.loads(results[0].stdout.strip().splitlines()[-1])["losses"]
+        runs[phase] = results[0].event("trained")["losses"]
         if phase == "first":
             names = sorted(os.listdir(tmp_path))
             assert [f"checkpoint.pt_{r}" for r in range(parts)] == [n for n in names if n.startswith("checkpoint")]
@@ -272,12 +272,12 @@ def test_a_full_checkpoint_from_two_partitions_resumes_on_one_and_three(tmp_path
     """A full state saved by pp=2 (model and Adam) continues the same training on pp=1 and pp=3."""
     first = run_world(2, "smp_checkpoint.py", [str(tmp_path), "first", "2"], timeout=120)
     assert_all_ok(first)
-    want = json.loads(first[0].stdout.strip().splitlines()[-1])["losses"]
+    want = first[0].event("trained")["losses"]
     final = torch.load(tmp_path / "final_first_2x2.pt")
     for parts in (1, 3):
         results = run_world(parts, "smp_checkpoint.py", [str(tmp_path), "resume_full", str(parts)], timeout=120)
         assert_all_ok(results)
-        got = json.loads(results[0].stdout.strip().splitlines()[-1])["losses"]
+        got = results[0].event("trained")["losses"]
         assert got == pytest.approx(want, rel=1e-6, abs=1e-7), (parts, got, want)
         other = torch.load(tmp_path / f"final_resume_full_{parts}x{parts}.pt")
         assert all(torch.allclose(final[k], other[k], rtol=1e-6, atol=1e-7) for k in final), parts
@@ -308,7 +308,7 @@ def test_activation_checkpointing_trains_like_one_process(model):
                                                "4", "3"], env={"SMP_TEST_CHECKPOINTING": "1"}, timeout=120)
     assert_all_ok(results)
     for r in results:
-        report = json.loads(r.stdout.strip().splitlines()[-1])
+        report = r.event("trained")
         assert report["param_rel_err"] < 1e-5 and report["loss_rel_err"] < 1e-5, report
 
 
@@ -320,7 +320,7 @@ def test_bf16_autocast_reaches_every_stage():
                         env={"SMP_TEST_AUTOCAST": "1"}, timeout=120)
     assert_all_ok(results)
     for r in results:
-        report = json.loads(r.stdout.strip().splitlines()[-1])
+        report = r.event("trained")
         assert report["param_rel_err"] < 5e-3 and report["loss_rel_err"] < 5e-3, report  # measured 4e-4
 
 

@@ -4,13 +4,16 @@ wrong data, and the engine keeps working for the next call.
 Each case either fails locally (the same bad call on every rank: each rank raises at
 submission, nothing is queued) or through negotiation (one rank's output cannot hold what the
 others send: every rank raises, naming that rank). After every case a correct allreduce
-checks that the engine is healthy.
+checks that the engine is healthy. Each case reports {"event": "case", "name", "ok", "error"}
+(report.py); a failing case is reported and the next one still runs.
 """
 import gc
 import sys
 import threading
+import traceback
 
 import numpy as np
+from report import report
 
 from smdistributed import _core
 from smdistributed.common import engine
@@ -150,12 +153,17 @@ def unnamed_from_two_threads(core):
 
 def main():
     core = engine.init()
+    failed = 0
     for fn in CASES:
-        fn(core)
+        try:
+            fn(core)
+            report("case", name=fn.__name__, ok=True)
+        except AssertionError:
+            failed += 1
+            report("case", name=fn.__name__, ok=False, error=traceback.format_exc())
         healthy(core, fn.__name__)
-        print(f"CASE {fn.__name__} ok", flush=True)
-    print(f"rank {core.rank}: bad input ok", flush=True)
     engine.shutdown()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ load_wrong_parts: the same through smp.load + load_state_dict (ranks with a file
 The test compares the resumed runs' losses and final parameters with the first run's,
 bitwise, and loads the full checkpoint into the plain nn.Module.
 """
-import json
 import os
 import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from report import report
 
 import smdistributed.modelparallel.torch as smp
 
@@ -99,7 +99,7 @@ def main():
     final = model.state_dict()
     if smp.pp_rank() == 0:
         torch.save(final, os.path.join(DIR, f"final_{PHASE}_{PARTS}x{PROCS}.pt"))
-    print(json.dumps({"rank": smp.rank(), "losses": losses}), flush=True)
+    report("trained", rank=smp.rank(), losses=losses)
 
 
 main()

@@ -4,13 +4,13 @@ training the same model on the same batches. Prints one JSON line per rank.
 argv: model (seq | skip), mode (auto | manual), pipeline (simple | interleaved), partitions,
 microbatches, steps.
 """
-import json
 import os
 import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from report import report
 
 import smdistributed.modelparallel.torch as smp
 
@@ -145,9 +145,8 @@ def main():
     worst = max(((full[k] - ref_sd[k]).abs().max() / (ref_sd[k].abs().max() + 1e-12)).item() for k in ref_sd)
     loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
     local = sorted(n for n, _ in model.local_named_parameters())
-    print(json.dumps({"rank": smp.rank(), "pp_rank": smp.pp_rank(), "dp_rank": smp.dp_rank(),
-                      "param_rel_err": worst, "loss_rel_err": loss_err, "keys_match": sorted(full) == sorted(ref_sd),
-                      "local": local, "losses": losses}), flush=True)
+    report("trained", rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(), param_rel_err=worst,
+           loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses)
 
 
 if __name__ == "__main__":

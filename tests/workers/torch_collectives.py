@@ -2,13 +2,16 @@
 
 Each collective also runs with async_op=True completed through Work.wait(), only through
 get_future() (as DDP's communication hooks do), and by polling is_completed(); non-contiguous
-tensors, a tensor on another device and unsupported dtypes. Prints "CHECKED <what> <count>"
-per family and "TORCH COLLECTIVES OK world=<P>" at the end.
+tensors, a tensor on another device and unsupported dtypes. Reports one "checked" event per
+family of collectives (report.py), which the tests turn into one case each.
 """
+import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
+from report import report
 from torch_common import (DTYPES, OPS, assert_same, expect_raises, make_input, native_backend, reduce_reference,
                           use_test_device)
 
@@ -384,12 +387,7 @@ def check_bad_input(P, me):
     assert torch.equal(x, torch.full((2,), float(P)))
 
 
-def main():
-    dist.init_process_group(backend="smddp")
-    P, me = dist.get_world_size(), dist.get_rank()
-    assert dist.get_backend() == "smddp", dist.get_backend()
-    use_test_device()  # SMDDP_TEST_DEVICE=cuda: the same checks on this rank's GPU
-
+def all_reduce_cases(P, me):
     n = 0
     for dtype in DTYPES:
         for op in ops_for(dtype):
@@ -400,8 +398,10 @@ def main():
                         ("poll", torch.uint8)):
         check_all_reduce(P, me, dtype, "SUM", (33,), mode)
         n += 1
-    print("CHECKED all_reduce", n, flush=True)
+    return n
 
+
+def broadcast_cases(P, me):
     n = 0
     for dtype in DTYPES:
         for root in range(P):
@@ -411,8 +411,10 @@ def main():
     for mode in ASYNC_MODES:
         check_broadcast(P, me, torch.float64, P - 1, (9,), mode)
         n += 1
-    print("CHECKED broadcast", n, flush=True)
+    return n
 
+
+def reduce_cases(P, me):
     n = 0
     for dtype in DTYPES:
         for op in ops_for(dtype):
@@ -422,8 +424,10 @@ def main():
     for mode in ASYNC_MODES:
         check_reduce(P, me, torch.float32, "SUM", 1, (1001,), mode)
         n += 1
-    print("CHECKED reduce", n, flush=True)
+    return n
 
+
+def all_gather_cases(P, me):
     n = 0
     for dtype in DTYPES:
         for shape in [(1,), (7,), (2, 3)]:
@@ -435,8 +439,10 @@ def main():
         check_all_gather(P, me, torch.float16, (5,), mode)
         check_all_gather_into_tensor(P, me, torch.int32, (5,), False, mode)
         n += 2
-    print("CHECKED all_gather", n, flush=True)
+    return n
 
+
+def reduce_scatter_cases(P, me):
     n = 0
     for dtype in DTYPES:
         for op in ops_for(dtype):
@@ -448,8 +454,10 @@ def main():
         check_reduce_scatter_tensor(P, me, torch.float32, "AVG", 4, mode)
         check_reduce_scatter_list(P, me, torch.int64, "SUM", (3,), mode)
         n += 2
-    print("CHECKED reduce_scatter", n, flush=True)
+    return n
 
+
+def all_to_all_cases(P, me):
     n = 0
     for dtype in DTYPES:
         for uneven in (False, True):
@@ -461,8 +469,10 @@ def main():
         check_all_to_all_single(P, me, torch.float32, True, mode)
         check_all_to_all_list(P, me, torch.uint8, mode)
         n += 2
-    print("CHECKED all_to_all", n, flush=True)
+    return n
 
+
+def gather_scatter_cases(P, me):
     n = 0
     for dtype in DTYPES:
         for root in range(P):
@@ -473,26 +483,59 @@ def main():
         check_gather(P, me, torch.float32, P - 1, mode)
         check_scatter(P, me, torch.int8, P - 1, mode)
         n += 2
-    print("CHECKED gather/scatter", n, flush=True)
+    return n
 
+
+def send_recv_cases(P, me):
     n = 0
     for dtype in DTYPES:
         check_send_recv(P, me, dtype, blocking=True)
         check_send_recv(P, me, dtype, blocking=False)
         n += 2
     check_batch_p2p(P, me)
-    print("CHECKED send/recv", n + 1, flush=True)
+    return n + 1
 
+
+def barrier_and_misuse_cases(P, me):
     check_barrier(P, me)
     check_non_contiguous(P, me)
     check_inputs_outlive_async_calls(P, me)
     check_bad_input(P, me)
-    print("CHECKED barrier, non-contiguous, inputs kept alive, bad input", flush=True)
+    return 4
 
+
+# Each group reports {"event": "checked", "collective", "ok", "cases", "error"} (report.py).
+# Results are compared after each call completes, so a wrong result in one group leaves the
+# ranks in step and the other groups still run.
+GROUPS = {
+    "all_reduce": all_reduce_cases,
+    "broadcast": broadcast_cases,
+    "reduce": reduce_cases,
+    "all_gather": all_gather_cases,
+    "reduce_scatter": reduce_scatter_cases,
+    "all_to_all": all_to_all_cases,
+    "gather_scatter": gather_scatter_cases,
+    "send_recv": send_recv_cases,
+    "barrier_and_misuse": barrier_and_misuse_cases,
+}
+
+
+def main():
+    dist.init_process_group(backend="smddp")
+    P, me = dist.get_world_size(), dist.get_rank()
+    assert dist.get_backend() == "smddp", dist.get_backend()
+    device = "cuda" if use_test_device() else "cpu"  # SMDDP_TEST_DEVICE=cuda: the checks on this rank's GPU
+    failed = 0
+    for name, cases in GROUPS.items():
+        try:
+            report("checked", collective=name, ok=True, cases=cases(P, me), world=P, device=device)
+        except AssertionError:
+            failed += 1
+            report("checked", collective=name, ok=False, world=P, device=device, error=traceback.format_exc())
     dist.barrier()
     dist.destroy_process_group()
-    print(f"TORCH COLLECTIVES OK world={P}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """Ranks that disagree, through torch.distributed on smddp: every rank raises, none hangs.
 
-Usage: torch_errors.py CASE [SYNC_DIR]. Prints "RAISED: <message>" per expected error and
-"DONE" once the group has been shown to still work. Deliberately ends without
+Usage: torch_errors.py CASE [SYNC_DIR]. Reports (report.py) a "raised" event per expected
+error and "usable" once the group has been shown to still work. Deliberately ends without
 destroy_process_group(), which must still exit cleanly.
 """
 import os
@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from report import report
 
 import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401
 
@@ -19,7 +20,7 @@ def expect_error(fn):
     try:
         fn()
     except RuntimeError as e:
-        print("RAISED: " + str(e).replace("\n", " "), flush=True)
+        report("raised", message=str(e).replace("\n", " "))
         return
     raise AssertionError("expected a RuntimeError")
 
@@ -52,11 +53,11 @@ def main(case):
         else:
             while not all(os.path.exists(os.path.join(sync, f"failed.{r}")) for r in range(P - 1)):
                 time.sleep(0.02)
-            print("RAISED: (the missing rank)", flush=True)
+            report("raised", message="(the missing rank)")
         if group is None:
             # Collectives are matched by their order in the group, which the missing call has
             # shifted on one rank; like NCCL or Gloo, the group is not usable after that.
-            print("DONE", flush=True)
+            report("usable")
             return
         # The world group (another engine) is untouched by the sub-group's failure.
     else:
@@ -66,7 +67,7 @@ def main(case):
     work = dist.all_reduce(x, async_op=True)
     work.get_future().wait()
     assert torch.equal(x, torch.full((3,), float(sum(range(P))))), x
-    print("DONE", flush=True)
+    report("usable")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,9 @@ def test_size_boundaries_bitwise(layout):
     nranks, hosts, env = LAYOUTS[layout]
     results = run_world(nranks, "size_boundaries.py", [LIMIT], env=env, hosts=hosts)
     assert_all_ok(results)
-    assert all("boundaries exact" in r.stdout for r in results)
+    for r in results:
+        e = r.event("exact")
+        assert e["elements_checked"] > 0 and e["hosts"] == hosts, e
 
 
 def test_half_precision_rounds_once_across_hosts():
@@ -63,5 +65,9 @@ def test_fuzz_mixed_collectives(layout):
     seed = os.environ.get("SMDDP_TEST_FUZZ_SEED") or str(zlib.crc32(layout.encode()) % 100000)
     results = run_world(nranks, "fuzz_collectives.py", ["--seed", seed, "--seconds", FUZZ_SECONDS],
                         env=env, hosts=hosts, timeout=float(FUZZ_SECONDS) + 150)
+    failures = [e for r in results for e in r.events("fuzzed") if not e["ok"]]
+    assert not failures, failures  # each names the seed and program that reproduce it
     assert_all_ok(results)
-    assert all("fuzz ok" in r.stdout for r in results), results[0].stdout
+    for r in results:
+        e = r.event("fuzzed")
+        assert e["ok"] and e["programs"] > 0 and e["elements_checked"] > 0, e

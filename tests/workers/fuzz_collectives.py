@@ -20,6 +20,7 @@ import time
 import numpy as np
 from exact import assert_exact, exact_reference, make_fractional
 from reference import DTYPES, make_input, storage_dtype
+from report import report
 
 from smdistributed.common import engine
 
@@ -183,7 +184,7 @@ def main():
         try:
             elements += run_program(core, prog, P, me, f"seed={args.seed} program={index}")
         except AssertionError as e:
-            print(f"rank {me}: FUZZ FAILURE {e}", flush=True)
+            report("fuzzed", ok=False, seed=args.seed, program=index, error=str(e))
             os._exit(1)
         ops += len(prog.ops)
         index += 1
@@ -193,8 +194,7 @@ def main():
         core.broadcast(go_on, root=0, name=f"fuzz.continue.{index}")
         if not go_on[0]:
             break
-    print(f"rank {me}: fuzz ok, {index - first} programs, {ops} operations, {elements} result elements checked",
-          flush=True)
+    report("fuzzed", ok=True, seed=args.seed, programs=index - first, operations=ops, elements_checked=elements)
     engine.shutdown()
 
 

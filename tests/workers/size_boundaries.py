@@ -15,6 +15,7 @@ import sys
 import numpy as np
 from reference import storage_dtype
 from exact import assert_exact, exact_reference, make_fractional, small_ints
+from report import report
 
 from smdistributed.common import engine
 
@@ -89,8 +90,7 @@ def main():
                 want = exact_reference(dtype, "sum", inputs)[lo:lo + counts[me]]
                 assert_exact(dtype, got, want, f"reduce_scatter {dtype} counts={counts}")
                 checked += counts[me]
-    print(f"rank {me}: boundaries exact, {checked} elements checked, local_size={core.local_size} "
-          f"hosts={core.num_hosts}", flush=True)
+    report("exact", elements_checked=checked, local_size=core.local_size, hosts=core.num_hosts)
     engine.shutdown()
 
 

@@ -220,7 +220,7 @@ void bind_negotiation(py::module_& m) {
              for (const auto& l : h.hand_over(ids)) taken.append(py::make_tuple(l.rank, l.id));
              return taken;
            })
-      .def("settled", &HitAgreement::settled)
+      .def("settled", &HitAgreement::settled, py::arg("name"), py::arg("seq"), py::arg("failed") = false)
       .def("evicted", &HitAgreement::evicted)
       .def(
           "due_for_hand_over",

@@ -248,7 +248,7 @@ void Engine::apply(const ResponseMessage& m) {
   counters_.cache_evictions += m.evicted.size();
   for (const auto& resp : m.responses) {
     if (hits_)
-      for (const auto& e : resp.entries) hits_->settled(e.name, seq);
+      for (const auto& e : resp.entries) hits_->settled(e.name, seq, resp.is_error);
     execute(resp);
   }
   // After the responses: an entry of this message may have been given an id that a later

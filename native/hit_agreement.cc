@@ -146,21 +146,29 @@ std::vector<HitAgreement::Listing> HitAgreement::hand_over(const std::vector<uin
   return taken;
 }
 
-void HitAgreement::settled(const std::string& name, uint64_t seq) {
-  settled_at_[name] = seq;
+void HitAgreement::settled(const std::string& name, uint64_t seq, bool failed) {
+  bool involved = false;
   for (auto it = listed_.begin(); it != listed_.end();) {
-    if (it->second.name == name)
+    if (it->second.name == name) {
       it = listed_.erase(it);
-    else
+      involved = true;
+    } else {
       ++it;
+    }
   }
   // Few ids are ever handed over at once: a scan is cheaper than an index kept in step.
   for (auto it = handed_over_.begin(); it != handed_over_.end();) {
-    if (it->second == name)
+    if (it->second == name) {
       it = handed_over_.erase(it);
-    else
+      involved = true;
+    } else {
       ++it;
+    }
   }
+  // A listing of it may still be on its way only if hits were involved, or if the response
+  // is an error (a rank's listing may come after the error that stalled on it). Remembering
+  // only those keeps this table small when names never repeat (none is ever cached).
+  if (involved || failed) settled_at_[name] = seq;
 }
 
 void HitAgreement::evicted(uint32_t id) {

@@ -78,7 +78,7 @@ class HitAgreement {
   // made before their rank applied that response belong to the answered one and are
   // dropped, now and when they arrive later (a rank's kHits says how many responses it had
   // applied); its hand-over ends.
-  void settled(const std::string& name, uint64_t seq);
+  void settled(const std::string& name, uint64_t seq, bool failed = false);
   void evicted(uint32_t id);
 
   // Rank 0: listed ids to hand over to the coordinator now: those waiting longer than
@@ -117,9 +117,9 @@ class HitAgreement {
   std::vector<uint64_t> last_cycle_from_;  // the cycle of each rank's latest kHits
   std::vector<std::deque<Inbound>> inbox_;
   std::map<uint32_t, Listed> listed_;
-  std::map<uint32_t, std::string> handed_over_;
+  std::map<uint32_t, std::string> handed_over_;  // id -> its name, until a response settles it
   // Answered names: a listing of one from a rank that had applied fewer responses is stale.
-  std::map<std::string, uint64_t> settled_at_;  // id -> its name, until a response settles it
+  std::map<std::string, uint64_t> settled_at_;
 };
 
 }  // namespace smddp

@@ -112,6 +112,18 @@ def test_listings_made_before_a_response_answered_them_are_stale():
     assert all(names_of(o) == [["a"]] for o in outs), outs
 
 
+def test_only_answers_that_hits_were_part_of_are_remembered():
+    """A response for a name no rank listed (announced in full everywhere, as names that never
+    repeat are) leaves no record, so later listings of it count; an error response does, as a
+    listing may still be on its way to the error that stalled on it."""
+    w = World(2)
+    for a in w.ranks:
+        a.settled("b", 1)             # answered through rank 0 alone: nothing to remember
+        a.settled("c", 1, failed=True)
+    outs = w.cycle([["b", "c"], ["b", "c"]], applied=[0, 0])
+    assert all(names_of(o) == [["b"]] for o in outs), outs  # "c" listings predate the error
+
+
 def test_a_rank_that_left_counts_as_answered_and_everything_listed_is_handed_over():
     w = World(3)
     a0, a1, a2 = w.ranks

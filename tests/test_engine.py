@@ -63,3 +63,13 @@ def test_shuffled_stream_completes_correctly(nranks, hit_exchange):
     assert_all_ok(results)
     for r in results:
         assert all(s["completed"] == 50 and s["failed"] == 0 for s in counters_of(r))
+
+
+def test_ranks_that_differ_on_hit_exchange_fail_with_a_clear_error():
+    """SMDDP_HIT_EXCHANGE must be the same on every rank: once a cached collective makes the
+    ranks that have it on list a hit, every rank fails naming the variable (no hang)."""
+    results = run_world(2, "fusion_and_cache.py", ["stream"], per_rank_env={1: {"SMDDP_HIT_EXCHANGE": "0"}},
+                        env={"SMDDP_TIMEOUT": "5"}, timeout=60)
+    for r in results:
+        assert r.returncode != 0, r.output
+        assert "set SMDDP_HIT_EXCHANGE the same on every rank" in r.stderr, r.output

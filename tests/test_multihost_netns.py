@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from world import WORKERS, free_port
+from world import WORKERS, free_port, reports_in_stdout
 
 HANG_GUARD_S = 180
 
@@ -101,7 +101,8 @@ def test_collectives_across_two_network_namespaces(two_hosts, algorithm):
     results = _collect(_start(ns, addrs, "collectives_matrix.py", [], env, holders))
     for rank, (rc, out, err) in enumerate(results):
         assert rc == 0, f"rank {rank}:\n{out}\n{err}"
-        assert "all collectives ok, hosts=2" in out, out
+        checked = [e for e in reports_in_stdout(out) if e["event"] == "checked"]
+        assert len(checked) == 7 and all(e["ok"] and e["hosts"] == 2 for e in checked), out
 
 
 def test_link_cut_mid_collective_raises_on_every_rank(two_hosts):

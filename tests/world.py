@@ -53,6 +53,11 @@ def read_reports(path: Path) -> List[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def reports_in_stdout(stdout: str) -> List[dict]:
+    """Reports of a worker started without SMDDP_TEST_REPORT (report.py prints them)."""
+    return [json.loads(line[len("REPORT "):]) for line in stdout.splitlines() if line.startswith("REPORT ")]
+
+
 def frame(payload: bytes) -> bytes:
     """A frame of the store and bootstrap protocols: u64 length, then the payload."""
     return struct.pack("<Q", len(payload)) + payload

@@ -175,7 +175,7 @@ PYBIND11_MODULE(_core, m) {
           [](Engine& e, OpType op, const std::string& name, uintptr_t in, uintptr_t out, size_t count,
              size_t out_capacity, DType dtype, std::vector<int64_t> shape, ReduceOp reduce_op, int root,
              std::vector<int64_t> splits, std::vector<int64_t> per_rank, double prescale, double postscale,
-             bool check_only) {
+             bool check_only, bool by_order) {
             Signature sig;
             sig.op = op;
             sig.dtype = dtype;
@@ -186,12 +186,14 @@ PYBIND11_MODULE(_core, m) {
             sig.prescale = prescale;
             sig.postscale = postscale;
             sig.check_only = check_only;
+            if (by_order) sig.caller = e.calling_thread();  // calling_threads.h
             return e.submit(name, sig, as_ptr(in), reinterpret_cast<void*>(out), count, out_capacity, per_rank);
           },
           py::arg("op"), py::arg("name"), py::arg("in_ptr"), py::arg("out_ptr"), py::arg("count"),
           py::arg("out_capacity"), py::arg("dtype"), py::arg("shape"), py::arg("reduce_op") = ReduceOp::kSum,
           py::arg("root") = 0, py::arg("splits") = std::vector<int64_t>{}, py::arg("per_rank") = std::vector<int64_t>{},
-          py::arg("prescale") = 1.0, py::arg("postscale") = 1.0, py::arg("check_only") = false)
+          py::arg("prescale") = 1.0, py::arg("postscale") = 1.0, py::arg("check_only") = false,
+          py::arg("by_order") = false)
       .def(
           "send",
           [](Engine& e, int peer, int64_t tag, uintptr_t ptr, size_t bytes) {

@@ -68,7 +68,11 @@ uint64_t engine_submit(void* engine, const char* name, const smddp_signature* si
                        size_t err_len) {
   return guarded<uint64_t>(err, err_len, 0, [&] {
     std::vector<int64_t> ragged(per_rank, per_rank + n_per_rank);
-    return engine_of(engine)->submit(name, to_signature(sig), in, out, count, out_capacity, ragged);
+    Engine* e = engine_of(engine);
+    // The C interface serves c10d calls, which carry no names: they are matched by order.
+    Signature s = to_signature(sig);
+    s.caller = e->calling_thread();
+    return e->submit(name, s, in, out, count, out_capacity, ragged);
   });
 }
 

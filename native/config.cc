@@ -65,6 +65,13 @@ const std::vector<ConfigVar>& config_table() {
        "1: every collective on CUDA tensors is also negotiated (its signature only) through the CPU "
        "engine, so ranks that disagree on shape, dtype, op or root, or a dead rank, abort NCCL with "
        "a message naming the difference instead of hanging; 0: off (saves a few microseconds a call)"},
+      {"SMDDP_CHECK_CALLING_THREAD", "1",
+       "1: collectives matched by call order (every torch.distributed call on smddp, and the "
+       "argument checks of CUDA collectives) carry the number of the thread that called, threads "
+       "numbered per process group by their first call; ranks whose k-th call came from different "
+       "threads fail with an error saying so, instead of reducing one thread's tensor with another's. "
+       "0: off, for programs that hand a group's calls from thread to thread in an order they fix "
+       "(e.g. a pool of several threads running one task at a time). Must be the same on every rank"},
       {"SMDDP_CONSISTENCY_CHECK", "1",
        "1: once per training loop (the second gradient reduction of each TensorFlow tape or "
        "optimizer, and after the second batch of model.fit with the broadcast callback) the ranks "
@@ -145,6 +152,7 @@ EngineConfig EngineConfig::from_environment() {
   c.fusion_bytes = config_int("SMDDP_FUSION_THRESHOLD");
   c.cache_capacity = config_int("SMDDP_CACHE_CAPACITY");
   c.hit_exchange = config_int("SMDDP_HIT_EXCHANGE") != 0;
+  c.check_calling_thread = config_int("SMDDP_CHECK_CALLING_THREAD") != 0;
   c.shm_slot_bytes = config_int("SMDDP_SHM_SLOT_BYTES");
   c.shm_ring_bytes = config_int("SMDDP_SHM_RING_BYTES");
   c.ring_threshold = config_int("SMDDP_RING_THRESHOLD");

@@ -28,6 +28,7 @@ struct EngineConfig {
   int64_t fusion_bytes;       // fuse ready allreduces up to this many bytes
   int64_t cache_capacity;     // response-cache entries
   bool hit_exchange;          // agree on cached collectives in hit cycles (hit_agreement.h)
+  bool check_calling_thread;  // order-matched calls carry their thread's number (calling_threads.h)
   int64_t shm_slot_bytes;     // per-rank staging slot of the intra-host allreduce
   int64_t shm_ring_bytes;     // per-direction ring of an intra-host point-to-point channel
   int64_t ring_threshold;     // multi-host allreduce at or above this size uses the flat ring

@@ -85,6 +85,13 @@ std::string Coordinator::describe_mismatch(const std::string& name, const Tally&
     std::ostringstream o;
     o << "ranks disagree on the " << field << " of tensor '" << name << "': ";
     for (int q = 0; q < size_; ++q) o << (q ? ", " : "") << "rank " << q << " has " << t.sigs[q].field_text(field);
+    if (field == "calling thread")
+      o << " (threads numbered in the order they first called this process group). Collectives without a name, "
+           "such as torch.distributed's, are matched across ranks by the order of the calls; threads that call "
+           "concurrently reach the group in a different order on each rank, which would reduce one thread's "
+           "tensors with another's. Call a group from one thread at a time in the same order on every rank, or "
+           "give each thread a group of its own; SMDDP_CHECK_CALLING_THREAD=0 turns this check off for programs "
+           "that fix the order while moving calls between threads";
     return o.str();
   }
   return "";

@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "calling_threads.h"
 #include "comm.h"
 #include "coordinator.h"
 #include "hit_agreement.h"
@@ -92,6 +93,9 @@ class Engine {
   uint64_t submit(const std::string& name, const Signature& sig, const void* in, void* out, size_t count,
                   size_t out_capacity, const std::vector<int64_t>& per_rank);
   uint64_t submit_p2p(bool is_send, int peer, int64_t tag, void* buf, size_t bytes);
+  // For collectives matched by call order: the calling thread's number, to put in
+  // Signature::caller (calling_threads.h); 0 with SMDDP_CHECK_CALLING_THREAD=0.
+  uint32_t calling_thread() { return config_.check_calling_thread ? calling_threads_.number_of_this_thread() : 0; }
   // Operations submitted between begin_batch() and end_batch() reach the engine together,
   // so they are announced in one message and, once every rank's batch is in, fused. Waiting
   // on one of them before end_batch() announces what the batch holds so far.
@@ -173,6 +177,7 @@ class Engine {
   std::unique_ptr<Comm> comm_;
   Timeline timeline_;
   Counters counters_;
+  CallingThreads calling_threads_;
 
   std::mutex mutex_;
   std::condition_variable work_cv_;  // wakes the background thread
@@ -220,6 +225,19 @@ class Engine {
   std::map<int, IncomingMessage> p2p_incoming_;
   std::map<int, std::deque<std::pair<int64_t, std::vector<char>>>> p2p_unexpected_;
   int64_t last_p2p_progress_us_ = 0;
+  // Whether the peers of pending point-to-point transfers are alive (kPing/kPong, messages.h).
+  struct PeerLiveness {
+    int64_t last_heard_us = 0;        // its last control message or received bytes
+    int64_t last_ping_us = 0;         // when this rank last pinged it
+    int64_t unanswered_since_us = 0;  // the first ping it has not answered; 0: none
+  };
+  std::vector<PeerLiveness> liveness_;
+  void heard_from(int peer, int64_t now);
+  // Pings the peers this rank waits on that have been silent; raises PeerError naming one
+  // that has answered nothing for the stall timeout.
+  void check_p2p_peers_alive(int64_t now);
+  // The error for a peer whose pings have gone unanswered longer than `seconds`, or "".
+  std::string unresponsive(int peer, int64_t now, double seconds);
 
   std::vector<bool> rank_gone_;                 // ranks that said goodbye
   int64_t last_heartbeat_sent_us_ = 0;          // rank 0

@@ -120,6 +120,13 @@ bool Engine::poll_control_messages() {
       const auto type = MessageType(reader.get<uint8_t>());
       if (type == MessageType::kAbort) throw PeerError(reader.get_string());
       if (r == 0) last_heard_from_coordinator_us_ = now_us();
+      heard_from(r, now_us());
+      if (type == MessageType::kPing) {
+        const std::string pong(1, char(MessageType::kPong));
+        comm_->send_message(r, kControlChannel, pong, "answering a ping");
+        continue;
+      }
+      if (type == MessageType::kPong) continue;
       if (type == MessageType::kGoodbye) {
         rank_gone_[r] = true;
         if (hits_) hits_->receive_goodbye(r);

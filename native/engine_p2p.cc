@@ -98,6 +98,7 @@ bool Engine::progress_receives(int peer, std::deque<std::shared_ptr<Entry>>& pos
     size_t n = ch->try_recv(dst + in.payload_done, total - in.payload_done);
     in.payload_done += n;
     busy |= n > 0;
+    if (busy) heard_from(peer, now_us());
     if (in.payload_done < total) break;
     if (in.target) {
       counters_.p2p_messages++;
@@ -131,6 +132,7 @@ bool Engine::progress_p2p() {
     it = it->second.empty() && !reading ? p2p_recvs_.erase(it) : std::next(it);
   }
   int64_t now = now_us();
+  check_p2p_peers_alive(now);
   if (busy) {
     last_p2p_progress_us_ = now;
   } else if (now - last_p2p_progress_us_ > int64_t(config_.timeout_s * 1e6)) {
@@ -145,6 +147,14 @@ bool Engine::progress_p2p() {
 // usable. A message stopped halfway means a stuck or dead peer, and the byte stream with it
 // cannot be resumed: that aborts the job.
 void Engine::expire_p2p() {
+  // A peer that does not answer pings is not merely quiet: name it, as check_p2p_peers_alive
+  // will once its silence reaches the timeout (a second of silence is a few unanswered pings).
+  const int64_t now = now_us();
+  for (const auto* ops : {&p2p_recvs_, &p2p_sends_})
+    for (const auto& kv : *ops) {
+      std::string stalled = unresponsive(kv.first, now, 1.0);
+      if (!stalled.empty()) throw PeerError(stalled);
+    }
   const std::string why = "made no progress for " + std::to_string(int(config_.timeout_s)) +
                           " s (SMDDP_TIMEOUT): is the peer posting the matching call?";
   std::string halfway;
@@ -170,6 +180,52 @@ void Engine::expire_p2p() {
   if (!halfway.empty())
     throw PeerError("point-to-point transfers stopped halfway for " + std::to_string(int(config_.timeout_s)) +
                     " s (SMDDP_TIMEOUT):" + halfway + " the peer is stuck or dead");
+}
+
+void Engine::heard_from(int peer, int64_t now) {
+  if (liveness_.empty()) liveness_.resize(size_t(size()));
+  liveness_[size_t(peer)].last_heard_us = now;
+  liveness_[size_t(peer)].unanswered_since_us = 0;
+}
+
+// A peer's silence counts only from a ping it left unanswered: a peer that is merely quiet
+// (a pipeline stage computing before its next send) answers from its engine thread within
+// milliseconds. The first unanswered ping is kept when this rank stops waiting (a transfer
+// that expired and is posted again), so a stopped peer is named within the timeout however
+// often its transfers are retried.
+void Engine::check_p2p_peers_alive(int64_t now) {
+  if (liveness_.empty()) liveness_.resize(size_t(size()));
+  for (int peer = 0; peer < size(); ++peer) {
+    if (peer == rank_ || rank_gone_[size_t(peer)] || (quiet_peers_.size() > size_t(peer) && quiet_peers_[peer]))
+      continue;
+    auto sends = p2p_sends_.find(peer), recvs = p2p_recvs_.find(peer);
+    const bool waiting = (sends != p2p_sends_.end() && !sends->second.empty()) ||
+                         (recvs != p2p_recvs_.end() && !recvs->second.empty()) || p2p_incoming_[peer].header_done > 0;
+    PeerLiveness& l = liveness_[size_t(peer)];
+    if (!waiting || now - l.last_heard_us < kHeartbeatUs) continue;
+    if (now - l.last_ping_us >= kHeartbeatUs) {
+      try {
+        comm_->send_message(peer, kControlChannel, std::string(1, char(MessageType::kPing)), "pinging a peer");
+      } catch (const PeerError&) {
+        continue;  // its connection is closed: the transfer itself reports that
+      }
+      l.last_ping_us = now;
+      if (l.unanswered_since_us == 0) l.unanswered_since_us = now;
+    }
+    std::string stalled = unresponsive(peer, now, stall_timeout_s_);
+    if (!stalled.empty()) throw PeerError(stalled);
+  }
+}
+
+std::string Engine::unresponsive(int peer, int64_t now, double seconds) {
+  if (liveness_.size() <= size_t(peer)) return "";
+  const PeerLiveness& l = liveness_[size_t(peer)];
+  if (l.unanswered_since_us == 0) return "";
+  const double silent_s = double(now - l.unanswered_since_us) / 1e6;
+  if (silent_s <= seconds) return "";
+  return "rank " + std::to_string(peer) + " has not answered for " + std::to_string(int(silent_s + 0.5)) +
+         " s while this rank waits on a point-to-point transfer with it: it is stalled (stopped, hung) or its host "
+         "is unreachable (SMDDP_TIMEOUT, or the framework's timeout)";
 }
 
 }  // namespace smddp

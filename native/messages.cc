@@ -22,6 +22,8 @@ std::vector<uint32_t> get_ids(Reader& r) {
 }  // namespace
 
 std::string Signature::first_difference(const Signature& o) const {
+  // First: threads that raced explain every other difference they cause.
+  if (caller != o.caller) return "calling thread";
   if (op != o.op) return "op";
   if (dtype != o.dtype) return "dtype";
   if ((op == OpType::kAllreduce || op == OpType::kReduce || op == OpType::kReduceScatter) && reduce_op != o.reduce_op)
@@ -41,7 +43,8 @@ std::string Signature::first_difference(const Signature& o) const {
 
 bool Signature::operator==(const Signature& o) const {
   return op == o.op && dtype == o.dtype && reduce_op == o.reduce_op && root == o.root && shape == o.shape &&
-         splits == o.splits && prescale == o.prescale && postscale == o.postscale && check_only == o.check_only;
+         splits == o.splits && prescale == o.prescale && postscale == o.postscale && check_only == o.check_only &&
+         caller == o.caller;
 }
 
 std::string Signature::field_text(const std::string& field) const {
@@ -51,6 +54,8 @@ std::string Signature::field_text(const std::string& field) const {
   if (field == "root") return std::to_string(root);
   if (field == "shape") return list_text(shape);
   if (field == "splits") return list_text(splits);
+  if (field == "calling thread")
+    return caller ? "thread " + std::to_string(caller) : std::string("no thread check (SMDDP_CHECK_CALLING_THREAD=0)");
   std::ostringstream o;
   o << prescale << "/" << postscale;
   return o.str();
@@ -66,6 +71,7 @@ void Signature::write(Writer& w) const {
   w.put<double>(prescale);
   w.put<double>(postscale);
   w.put<uint8_t>(check_only ? 1 : 0);
+  w.put<uint32_t>(caller);
 }
 
 Signature Signature::read(Reader& r) {
@@ -79,6 +85,7 @@ Signature Signature::read(Reader& r) {
   s.prescale = r.get<double>();
   s.postscale = r.get<double>();
   s.check_only = r.get<uint8_t>() != 0;
+  s.caller = r.get<uint32_t>();
   return s;
 }
 

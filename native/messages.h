@@ -35,7 +35,8 @@
 //   signature, then i64s per_rank. responses_applied counts the kRespond messages rank r has
 //   applied when it wrote this one; rank 0 needs it to resolve ids it has evicted since.
 //   A signature is u8 op + u8 dtype + u8 reduce op + i32 root + i64s shape + i64s splits +
-//   f64 prescale + f64 postscale + u8 check_only. Announced by id are only allgathers and
+//   f64 prescale + f64 postscale + u8 check_only + u32 caller (the submitting
+//   thread's number, calling_threads.h; 0 when not checked). Announced by id are only allgathers and
 //   alltoalls (per_rank travels with them); other cached collectives go through hit cycles.
 // - kRespond (rank 0 -> every other rank, the same bytes to each): u64 after_cycle,
 //   u32 h + h x u32 handed-over id, u32 e + e x u32 evicted id, then u32 n + n x response,
@@ -66,6 +67,12 @@
 //   whose operations wait on negotiation and that hears nothing from rank 0 (no response, no
 //   heartbeat) for the timeout raises, naming rank 0. A rank whose hit cycle waits on ranks
 //   that send nothing for the timeout raises, naming them.
+// - kPing / kPong (any rank <-> any rank): no body. A rank that waits on a point-to-point
+//   transfer with a peer and has heard nothing from it (no control message, no received
+//   bytes) for kHeartbeatUs pings it, once per kHeartbeatUs; the peer's engine thread answers
+//   kPong whatever its frontend is doing. A peer that answers nothing for the timeout is
+//   stopped, hung or cut off, and the waiting rank raises naming it; a peer that answers is
+//   alive, and a transfer it does not post fails alone ("made no progress").
 // - kGoodbye (every rank -> every other rank, at an orderly shutdown): no body. Rank 0 fails
 //   whatever the leaving rank never announced ("shut down without submitting"); other ranks
 //   fail everything after rank 0's goodbye; hit cycles stop waiting for a rank that left.
@@ -115,6 +122,9 @@ struct Signature {
   // Negotiated but not run: the CUDA path checks that every rank calls the same collective
   // with the same arguments this way, while NCCL moves the data (never fused, never cached).
   bool check_only = false;
+  // Which of the engine's calling threads submitted it (calling_threads.h), for collectives
+  // matched by order (no user-given name); 0 for named ones, or with SMDDP_CHECK_CALLING_THREAD=0.
+  uint32_t caller = 0;
 
   bool operator==(const Signature& o) const;
   bool operator!=(const Signature& o) const { return !(*this == o); }
@@ -135,11 +145,20 @@ struct Announcement {
 };
 
 // The version of everything above. Checked at bootstrap.
-constexpr int kProtocolVersion = 4;
+constexpr int kProtocolVersion = 5;
 
 // kHeartbeat: rank 0 says it is alive (every kHeartbeatUs), so a rank that waits on it can
 // tell a coordinator that is merely busy from one that is stopped or cut off.
-enum class MessageType : uint8_t { kAnnounce = 1, kRespond = 2, kGoodbye = 3, kAbort = 4, kHeartbeat = 5, kHits = 6 };
+enum class MessageType : uint8_t {
+  kAnnounce = 1,
+  kRespond = 2,
+  kGoodbye = 3,
+  kAbort = 4,
+  kHeartbeat = 5,
+  kHits = 6,
+  kPing = 7,
+  kPong = 8
+};
 constexpr int64_t kHeartbeatUs = 250000;
 
 struct ResponseEntry {

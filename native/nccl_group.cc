@@ -311,6 +311,7 @@ void NcclGroup::check(const char* kind, OpType op, DType dtype, const std::vecto
   sig.root = root;
   sig.shape = shape;
   sig.check_only = true;
+  sig.caller = engine->calling_thread();  // checks are matched by order (calling_threads.h)
   const uint64_t handle = engine->submit(name, sig, nullptr, nullptr, 0, 0, {});
   bool was_idle;
   {

@@ -56,14 +56,16 @@ def test_torch_ddp_raises_when_a_peer_dies_or_stalls(case):
         assert e["after_s"] <= timeout + 2, e
 
 
-@pytest.mark.parametrize("cached", [pytest.param(False, id="announced"), pytest.param(True, id="cached")])
+@pytest.mark.parametrize("mode", ["announced", "cached", "p2p"])
 @pytest.mark.parametrize("victim, hosts", [(0, 1), (2, 1), (0, 2), (3, 2)])
-def test_stalled_rank_makes_every_other_rank_raise(victim, hosts, cached):
+def test_stalled_rank_makes_every_other_rank_raise(victim, hosts, mode):
     """A stopped rank (the coordinator or not; one host, or two simulated hosts over TCP): the
     others raise within the timeout plus a second or two, naming it, whether the collective
-    it misses is announced to rank 0 or a cache hit that a hit cycle waits on."""
+    it misses is announced to rank 0 or a cache hit that a hit cycle waits on, or they wait
+    on point-to-point receives from it (its engine no longer answers their pings; a peer that
+    answers but does not send fails only the receive, test_recv_without_a_sender_fails_alone)."""
     timeout = 4
-    args = [str(victim)] + (["cached"] if cached else [])
+    args = [str(victim), mode]
     results = run_world(4, "stalled_peer.py", args, env={"SMDDP_TIMEOUT": str(timeout)}, hosts=hosts,
                         kill_after_others=[victim], timeout=60)
     for r in results:
@@ -72,6 +74,8 @@ def test_stalled_rank_makes_every_other_rank_raise(victim, hosts, cached):
         assert r.returncode == 0, r.output
         e = r.event("raised")
         assert f"rank {victim}" in e["message"] or f"rank(s) {victim}" in e["message"], e["message"]
+        if mode == "p2p":
+            assert f"rank {victim} has not answered" in e["message"], e["message"]
         assert e["after_s"] <= timeout + 2.5, e
 
 

@@ -265,4 +265,4 @@ def test_malformed_messages_are_refused_before_allocating(case):
 
 
 def test_protocol_version_is_the_one_the_rendezvous_checks():
-    assert neg.PROTOCOL_VERSION == 4
+    assert neg.PROTOCOL_VERSION == 5

@@ -230,4 +230,4 @@ def test_ranks_of_another_protocol_version_are_refused_clearly():
         if rank0.poll() is None:
             rank0.kill()
     assert rank0.returncode != 0
-    assert "rank 1 runs smdistributed's wire protocol 1, this rank (0) protocol 4" in err, err
+    assert "rank 1 runs smdistributed's wire protocol 1, this rank (0) protocol 5" in err, err

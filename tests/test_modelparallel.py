@@ -193,6 +193,20 @@ def test_a_rank_that_dies_mid_step_is_named_on_every_other_rank():
     assert not leftovers, leftovers
 
 
+def test_a_rank_that_stops_mid_step_is_named_on_every_other_rank():
+    """A stage stopped mid-step (SIGSTOP: alive, sockets open, silent) is not a quiet link:
+    its engine no longer answers pings, so the other stages' steps fail within the timeout
+    plus a little, naming it."""
+    timeout = 4
+    results = run_world(3, "smp_errors.py", ["rank_stops"], env={"SMDDP_TIMEOUT": str(timeout)},
+                        kill_after_others=[1], timeout=90)
+    for r in (results[0], results[2]):
+        assert r.returncode == 0, r.output
+        e = r.event("step_failed")
+        assert "rank 1 has not answered" in e["message"], e["message"]
+        assert e["after_s"] <= timeout + 3, e
+
+
 # -- the seed scripts, under each launcher -----------------------------------------------------------
 def _launch(launcher, procs, script, params, tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", SMDDP_TIMEOUT="60", SM_HP_MP_PARAMETERS=json.dumps(params),

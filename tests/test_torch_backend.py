@@ -71,6 +71,44 @@ def test_disagreeing_ranks_raise_on_every_rank(case, nranks, expected):
         assert "terminate called" not in r.output, r.output
 
 
+def test_calls_from_several_threads_in_a_fixed_order_are_exact():
+    """The main thread, a long-lived helper, a fresh thread per round, and asynchronous calls
+    still in flight when another thread calls, in an order the program fixes (as DDP's reducer
+    on the autograd thread after the main thread's forward): every element exact."""
+    results = run_world(3, "torch_threads.py", ["ordered"], timeout=120)
+    assert_all_ok(results)
+    for r in results:
+        assert r.event("exact")["elements"] == 20 * 5 * 64
+
+
+@pytest.mark.parametrize("case", ["disorder", "handoff"])
+def test_calls_that_reach_a_group_from_different_threads_raise_on_every_rank(case):
+    """torch.distributed calls carry no names: the k-th call of every rank is matched with the
+    k-th of the others. Two threads whose calls reach the group in another order on rank 0 than
+    on the others (disorder), or one call made by another thread on rank 0 (handoff), with
+    tensors of one shape, would silently sum one thread's tensor with another's: every rank
+    raises instead, naming each rank's calling thread, and the group still works."""
+    results = run_world(3, "torch_threads.py", [case], env=FAST_TIMEOUT, timeout=120)
+    assert_all_ok(results)
+    for r in results:
+        msgs = raised(r)
+        assert len(msgs) == (2 if case == "disorder" else 1), r.output
+        for msg in msgs:
+            assert "ranks disagree on the calling thread" in msg, msg
+            assert "SMDDP_CHECK_CALLING_THREAD=0" in msg, msg
+        assert "rank 0 has thread 2, rank 1 has thread 3, rank 2 has thread 3" in msgs[0], msgs[0]
+        r.event("usable")
+
+
+def test_the_calling_thread_check_can_be_turned_off():
+    """SMDDP_CHECK_CALLING_THREAD=0: a call handed to another thread in a fixed order (as a
+    pool of several threads running one task at a time does) is matched by order alone."""
+    results = run_world(3, "torch_threads.py", ["handoff"], env={"SMDDP_CHECK_CALLING_THREAD": "0"}, timeout=120)
+    assert_all_ok(results)
+    for r in results:
+        assert r.event("exact")["elements"] == 64
+
+
 @pytest.mark.parametrize("case, env", [("missing", {"SMDDP_TIMEOUT": "3"}), ("missing_explicit_timeout", {}),
                                        ("missing_at_start", {"SMDDP_TIMEOUT": "3"})],
                          ids=["SMDDP_TIMEOUT", "new_group-timeout", "first-collective"])

@@ -217,6 +217,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             out_capacity=0 if out is None else nbytes(out), dtype=core_dtype(inp),
             shape=list(inp.shape) if shape is None else list(shape), reduce_op=reduce, root=root,
             splits=list(splits), per_rank=list(per_rank),
+            by_order=name is None,  # c10d calls are matched by order: carry the calling thread
         )
 
     @staticmethod

@@ -1,6 +1,8 @@
-"""Misuse and failures of smdistributed.modelparallel.torch: each case prints what every
-rank saw. argv: case (misuse | bad_config | rank_dies)."""
+"""Misuse and failures of smdistributed.modelparallel.torch: each case prints (or reports,
+report.py) what every rank saw. argv: case (misuse | bad_config | rank_dies | rank_stops |
+quiet_links)."""
 import os
+import signal
 import sys
 import time
 
@@ -9,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import smdistributed.modelparallel.torch as smp
+from report import report
 
 CASE = sys.argv[1]
 
@@ -23,15 +26,21 @@ def expect(error_type, fragment, fn):
 
 
 class Dies(nn.Module):
-    """Ends its process in the middle of a step's forward when asked to."""
+    """Ends its process (exit) or stops it (SIGSTOP: alive, sockets open, silent) in the middle
+    of a step's forward when asked to."""
 
-    def __init__(self):
+    def __init__(self, how: str = "exit"):
         super().__init__()
         self.fc = nn.Linear(8, 8)
         self.armed = False
+        self.how = how
 
     def forward(self, x):
         if self.armed:
+            if self.how == "stop":
+                report("fault", at=time.time())
+                os.kill(os.getpid(), signal.SIGSTOP)
+                time.sleep(3600)  # the stop reaches this thread some instructions later
             os._exit(3)
         return self.fc(x)
 
@@ -82,10 +91,10 @@ def bad_config():
     print("REFUSED:", msg, flush=True)
 
 
-def rank_dies():
+def rank_dies(how: str = "exit"):
     smp.init({"partitions": 3, "microbatches": 2, "auto_partition": False, "default_partition": 0})
     with smp.partition(1):
-        dies = Dies()
+        dies = Dies(how)
     with smp.partition(2):
         head = nn.Linear(8, 2)
     model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), dies, head))
@@ -99,9 +108,11 @@ def rank_dies():
     x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
     train_step(model, x, y)
     dies.armed = smp.pp_rank() == 1
+    t0 = time.monotonic()
     try:
         train_step(model, x, y)
     except smp.StepFailed as e:
+        report("step_failed", after_s=time.monotonic() - t0, message=str(e).replace("\n", " "))
         print("STEP FAILED:", str(e).splitlines()[0], flush=True)
         os._exit(0)
     print("NO ERROR", flush=True)
@@ -139,4 +150,5 @@ def quiet_links():
     print("QUIET OK", flush=True)
 
 
-{"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "quiet_links": quiet_links}[CASE]()
+{"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
+ "quiet_links": quiet_links}[CASE]()

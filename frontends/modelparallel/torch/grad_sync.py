@@ -3,6 +3,7 @@ on its data-parallel group, and its gradients are averaged over that group after
 (started as soon as they are final, with overlapping_allreduce)."""
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -49,6 +50,51 @@ class GradBucket:
         return list(self._grads)
 
 
+class _ReductionThread:
+    """The one thread that issues gradient reductions (and runs communication hooks).
+
+    A step's reduction starts on whichever thread finds the gradients final: a pipeline worker
+    on one replica, the step's own thread on another. Collectives on a group are matched by
+    the order of the calls, and the smddp backend checks that the k-th call came from the same
+    thread on every rank (SMDDP_CHECK_CALLING_THREAD), since calls from racing threads would
+    pair different tensors. Issuing every reduction from this one thread keeps that true, while
+    the step's thread makes the data-parallel group's other calls (the first broadcast, join's
+    announcements) in the program's order."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tasks: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+
+    def run(self, fn: Callable[[], Any], device: torch.device) -> Any:
+        """Runs `fn` on the reduction thread, with `device` current there (its kernels go to the
+        device's default stream, as the pipeline's do), and returns its result (or raises its error)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="smp-grad-reduction", daemon=True)
+                self._thread.start()
+        done, box = threading.Event(), {}
+        self._tasks.put((fn, device, box, done))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _serve(self) -> None:
+        while True:
+            fn, device, box, done = self._tasks.get()
+            try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)
+                box["value"] = fn()
+            except BaseException as e:  # handed to the caller
+                box["error"] = e
+            done.set()
+
+
+_reduction_thread = _ReductionThread()
+
+
 class GradientReduction:
     """Averages the gradients of `params` over the data-parallel group, bucket by bucket.
 
@@ -76,7 +122,8 @@ class GradientReduction:
             if self._pending is not None or self._error is not None:
                 return
             try:
-                self._pending = self._start()
+                device = self._params[0].device if self._params else torch.device("cpu")
+                self._pending = _reduction_thread.run(self._start, device)
                 self.launched_early = early
             except BaseException as e:  # surfaced by finish(), on the thread that owns the step
                 self._error = e

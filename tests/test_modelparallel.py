@@ -161,6 +161,23 @@ def test_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):
         assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
 
 
+@pytest.mark.parametrize("procs, parts", LAYOUTS, ids=["pp2", "pp3", "pp2xdp2"])
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+def test_tied_weights_across_partitions_train_like_one_process(procs, parts, pipeline):
+    """An embedding on the first partition whose weight is also the last partition's output
+    projection: each holds a copy, and the copies get the sum of both uses' gradients (then
+    the average over replicas), so the model trains as the one-process model does."""
+    results = run_world(procs, "smp_pipeline.py", ["tied", "manual", pipeline, str(parts), "4", "5"], timeout=120)
+    assert_all_ok(results)
+    reports = [r.event("trained") for r in results]
+    for r in reports:
+        assert r["keys_match"], r
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+        assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
+        holds_tie = "embed.weight" in r["local"]
+        assert holds_tie == (r["pp_rank"] in (0, parts - 1)), r
+
+
 def test_a_rank_that_holds_no_parameters_still_steps():
     """Manual partitioning without smp.partition contexts puts everything on partition 0: the
     other rank owns nothing, serves nothing, and its optimizer steps nothing."""
@@ -256,14 +273,19 @@ def test_ranks_groups_object_helpers_and_model_api(placement):
     assert "partition 0:" in results[0].stdout  # rank 0 logs the partition it chose
 
 
-@pytest.mark.parametrize("parts, procs", [(2, 2), (3, 3), (2, 4)], ids=["pp2", "pp3", "pp2xdp2"])
-def test_partial_and_full_checkpoints_resume_the_same_training(parts, procs, tmp_path):
+@pytest.mark.parametrize("parts, procs, tied", [(2, 2, False), (3, 3, False), (2, 4, False), (3, 3, True)],
+                         ids=["pp2", "pp3", "pp2xdp2", "pp3-tied"])
+def test_partial_and_full_checkpoints_resume_the_same_training(parts, procs, tied, tmp_path):
     runs = {}
     layout = [str(parts), str(procs)]
+    env = {"SMP_TEST_TIED": "1"} if tied else {}
     for phase in ("first", "resume_partial", "resume_full", "ckpt_partial", "ckpt_full"):
-        results = run_world(procs, "smp_checkpoint.py", [str(tmp_path), phase, *layout], timeout=120)
+        results = run_world(procs, "smp_checkpoint.py", [str(tmp_path), phase, *layout], env=env, timeout=120)
         assert_all_ok(results)
         runs[phase] = results[0].event("trained")["losses"]
+        if tied:  # the tie crosses partitions: the first and the last hold a copy
+            holders = [r.rank for r in results if "embed.weight" in r.event("trained")["local"]]
+            assert holders == [0, parts - 1], holders
         if phase == "first":
             names = sorted(os.listdir(tmp_path))
             assert [f"checkpoint.pt_{r}" for r in range(parts)] == [n for n in names if n.startswith("checkpoint")]
@@ -276,6 +298,10 @@ def test_partial_and_full_checkpoints_resume_the_same_training(parts, procs, tmp
     for phase in ("resume_partial", "resume_full", "ckpt_partial", "ckpt_full"):
         other = torch.load(tmp_path / f"final_{phase}_{parts}x{procs}.pt")
         assert all(torch.equal(final[k], other[k]) for k in final), phase
+    if tied:  # one tensor under both names, as the plain module saves it
+        saved = torch.load(tmp_path / "full.pt", weights_only=False)["model_state_dict"]
+        assert torch.equal(saved["embed.weight"], saved["head.weight"])
+        return
     # The full checkpoint loads into the plain module, keys and all.
     plain = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
                           nn.Linear(32, 4))

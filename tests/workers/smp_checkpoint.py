@@ -12,7 +12,8 @@ ckpt_wrong_parts: resume a partial checkpoint with another number of partitions 
 load_wrong_parts: the same through smp.load + load_state_dict (ranks with a file refuse its
                 partition count; a rank without one names the missing file).
 The test compares the resumed runs' losses and final parameters with the first run's,
-bitwise, and loads the full checkpoint into the plain nn.Module.
+bitwise, and loads the full checkpoint into the plain nn.Module. SMP_TEST_TIED=1: a model
+whose embedding (first partition) is also its output projection (last partition).
 """
 import os
 import sys
@@ -28,8 +29,25 @@ DIR, PHASE, PARTS = sys.argv[1], sys.argv[2], int(sys.argv[3])
 PROCS = int(sys.argv[4]) if len(sys.argv) > 4 else PARTS
 
 
+TIED = os.environ.get("SMP_TEST_TIED") == "1"
+
+
+class TiedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(4, 32)
+        self.body = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh())
+        self.head = nn.Linear(32, 4, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens).mean(dim=1)))
+
+
 def build(seed):
     torch.manual_seed(seed)
+    if TIED:
+        return TiedModel()
     return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
                          nn.Linear(32, 4))
 
@@ -47,7 +65,8 @@ def main():
         return loss
 
     g = torch.Generator().manual_seed(11)
-    batches = [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(4)]
+    batches = [(torch.randint(0, 4, (16, 3), generator=g) if TIED else torch.randn(16, 8, generator=g),
+                torch.randint(0, 4, (16,), generator=g)) for _ in range(4)]
     first = 0
     folder = os.path.join(DIR, "ckpt")
     if PHASE == "ckpt_wrong_parts":
@@ -99,7 +118,7 @@ def main():
     final = model.state_dict()
     if smp.pp_rank() == 0:
         torch.save(final, os.path.join(DIR, f"final_{PHASE}_{PARTS}x{PROCS}.pt"))
-    report("trained", rank=smp.rank(), losses=losses)
+    report("trained", rank=smp.rank(), losses=losses, local=sorted(n for n, _ in model.local_named_parameters()))
 
 
 main()

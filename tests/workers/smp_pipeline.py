@@ -1,7 +1,7 @@
 """Pipeline training equivalence: N steps through smp on this world against one process
 training the same model on the same batches. Prints one JSON line per rank.
 
-argv: model (seq | skip), mode (auto | manual), pipeline (simple | interleaved), partitions,
+argv: model (seq | skip | tied), mode (auto | manual), pipeline (simple | interleaved), partitions,
 microbatches, steps.
 """
 import os
@@ -55,8 +55,33 @@ class SkipNet(nn.Module):
         return {"logits": self.head(h) * scale, "hidden": h}
 
 
+VOCAB = 12
+
+
+class TiedLM(nn.Module):
+    """Tied weights across partitions: the output projection is the input embedding's weight
+    (a language model's usual tie), the embedding on the first partition and the projection
+    on the last; the body between them."""
+
+    def __init__(self, parts):
+        super().__init__()
+        last = parts - 1
+        with smp.partition(0):
+            self.embed = nn.Embedding(VOCAB, WIDTH)
+        with smp.partition(min(1, last)):
+            self.body = nn.Sequential(Block(WIDTH), Block(WIDTH))
+        with smp.partition(last):
+            self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.body(self.embed(tokens).mean(dim=1)))
+
+
 def build():
     torch.manual_seed(1234)
+    if MODEL == "tied":
+        return TiedLM(PARTS)
     if MODEL == "seq":
         layers = [nn.Linear(8, WIDTH), nn.ReLU()]
         for _ in range(5):
@@ -75,8 +100,12 @@ def batches(dp_rank, dp_size):
     g = torch.Generator().manual_seed(99)
     out = []
     for _ in range(STEPS):
-        x = torch.randn(BATCH * dp_size, 8, generator=g)
-        y = torch.randint(0, 4, (BATCH * dp_size,), generator=g)
+        if MODEL == "tied":
+            x = torch.randint(0, VOCAB, (BATCH * dp_size, 5), generator=g)
+            y = torch.randint(0, VOCAB, (BATCH * dp_size,), generator=g)
+        else:
+            x = torch.randn(BATCH * dp_size, 8, generator=g)
+            y = torch.randint(0, 4, (BATCH * dp_size,), generator=g)
         out.append((x, y))
     return out
 

@@ -181,11 +181,14 @@ def announce(group, training: bool) -> int:
     return int(flag.item())
 
 
-def shadow_until_all_joined(params: List[torch.nn.Parameter], buffers: List[torch.Tensor], group, ranks: List[int],
-                            dp_size: int, bucket_bytes: int, steps: int, hook: Optional[Callable] = None,
-                            hook_state: Any = None) -> None:
+def shadow_until_all_joined(param_sets: List[List[torch.nn.Parameter]], buffers: List[torch.Tensor], group,
+                            ranks: List[int], dp_size: int, bucket_bytes: int, steps: int,
+                            hook: Optional[Callable] = None, hook_state: Any = None) -> None:
+    """`param_sets`: the reductions a training replica makes each step, in its order."""
     while announce(group, training=False) > 0:
-        GradientReduction(params, group, dp_size, bucket_bytes, hook, hook_state, zeros=True).finish()
+        for params in param_sets:
+            GradientReduction(params, group, dp_size, bucket_bytes, hook, hook_state, zeros=True).finish()
+    params = [p for s in param_sets for p in s]
     counts = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
     dist.all_gather(counts, torch.tensor([steps], dtype=torch.int64), group=group)
     counts = [int(c.item()) for c in counts]

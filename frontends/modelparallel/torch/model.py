@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 from contextlib import contextmanager
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from .optimizer import follow_parameters
 from .partition import auto_assignment, describe, manual_assignment
 from .runtime import PipelineRuntime
 from .state import device as local_device, state
+from .tied import TiedParameters
 from .trace import Tracer
 from .wire import Links
 
@@ -63,7 +64,8 @@ class DistributedModel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self._partitioned = False
         self._owner_of_module: Dict[int, int] = {}
-        self._owner_of_param: Dict[int, int] = {}
+        self._owners_of_param: Dict[int, FrozenSet[int]] = {}  # more than one: tied (tied.py)
+        self._tied = TiedParameters([])
         self._assignment: Dict[str, int] = {}
         self._post_partition_hooks: "OrderedDict[int, Any]" = OrderedDict()
         self._pending_state: Optional[Tuple[Dict[str, Any], bool, bool]] = None  # (state, strict, partial)
@@ -131,7 +133,7 @@ class DistributedModel(nn.Module):
     def local_named_parameters(self) -> Iterator[Tuple[str, nn.Parameter]]:
         self._require_partitioned("local_named_parameters")
         for name, p in self.module.named_parameters():
-            if self._owner_of_param[id(p)] == state.topo.pp_rank:
+            if state.topo.pp_rank in self._owners_of_param[id(p)]:
                 yield name, p
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
@@ -228,6 +230,8 @@ class DistributedModel(nn.Module):
                     m._buffers[name] = b.to(dev)
         for opt in state.optimizers:
             follow_parameters(opt)
+        self._tied = TiedParameters.build(self.module, self._owners_of_param, topo)
+        self._tied.synchronize_values()
         if cfg.ddp and topo.dp_size > 1:
             tensors = [p for p in self.local_parameters()]
             if self.broadcast_buffers:
@@ -285,12 +289,8 @@ class DistributedModel(nn.Module):
             for name, p in m.named_parameters(recurse=False):
                 full = f"{path}.{name}" if path else name
                 holders.setdefault(id(p), (full, set()))[1].add(assignment[path])
-        for pid, (name, owners) in holders.items():
-            if len(owners) > 1:
-                raise RuntimeError(f"smp: parameter '{name}' is shared by modules on partitions {sorted(owners)}; "
-                                   "tied weights across partitions are not supported: place those modules in "
-                                   "one partition (smp.partition) or tie them after partitioning")
-            self._owner_of_param[pid] = next(iter(owners))
+        for pid, (_, owners) in holders.items():
+            self._owners_of_param[pid] = frozenset(owners)  # several: tied weights, a copy on each (tied.py)
         links = Links(state.pp_group, topo.pp_group, me, state.cuda_links, local_device())
         cfg = state.cfg
         runtime = PipelineRuntime(links, me, topo.pp_size, topo.pp_group, cfg.pipeline, cfg.active_microbatches,
@@ -344,28 +344,46 @@ class DistributedModel(nn.Module):
         return forward
 
     # -- a step ------------------------------------------------------------------------------------
+    def _reduced_parameter_sets(self) -> List[List[nn.Parameter]]:
+        """This partition's parameters in the data-parallel reductions, in their order: the
+        untied ones (started early with overlapping_allreduce), then the tied ones (after their
+        sum over partitions, tied.py). A joined replica mirrors the same reductions."""
+        untied = [p for p in self.local_parameters() if not self._tied.is_tied(p)]
+        tied = self._tied.local
+        return [untied, tied] if tied else [untied]
+
     def _run_step(self, fn, microbatches, grad_enabled: bool, autocast) -> List[Any]:
         rt = self._runtime
         cfg, topo = state.cfg, state.topo
-        reduction = None
+        reductions = []
         if cfg.ddp and topo.dp_size > 1 and (self._steps_with_backward + 1) % self.backward_passes_per_step == 0:
-            reduction = grad_sync.GradientReduction(list(self.local_parameters()), state.dp_group, topo.dp_size,
-                                                    self.bucket_bytes, *self._comm_hook)
+            reductions = [grad_sync.GradientReduction(params, state.dp_group, topo.dp_size, self.bucket_bytes,
+                                                      *self._comm_hook)
+                          for params in self._reduced_parameter_sets()]
         # A joining replica announces before each reduction, so its reductions wait for the step.
-        early = reduction is not None and self.overlapping_allreduce and not self._joining
-        rt.on_grads_final = (lambda: reduction.launch(early=True)) if early else None
+        early = bool(reductions) and self.overlapping_allreduce and not self._joining
+        rt.on_grads_final = (lambda: reductions[0].launch(early=True)) if early else None
+        self._tied.begin_step()
         try:
             results = rt.run_step(fn, microbatches, self.average_grads_across_microbatches, grad_enabled, autocast,
                                   cfg.pipeline, cfg.active_microbatches)
+        except BaseException:
+            self._tied.restore()
+            raise
         finally:
             rt.on_grads_final = None
+        if rt.backward_seen:
+            self._tied.end_step()
+        else:
+            self._tied.restore()
         if rt.backward_seen and cfg.ddp and topo.dp_size > 1:
             self._steps_with_backward += 1
-            if reduction is not None:
+            if reductions:
                 if self._joining:
                     grad_sync.announce(state.dp_group, training=True)
-                reduction.finish()
-                self.last_reduction_overlapped = reduction.launched_early
+                for reduction in reductions:  # in order: the first may have started early
+                    reduction.finish()
+                self.last_reduction_overlapped = reductions[0].launched_early
         return results
 
     def register_comm_hook(self, state_: Any, hook) -> None:
@@ -401,6 +419,6 @@ class DistributedModel(nn.Module):
             raise  # this rank fails: the others learn it from the engine, not from a wrong join
         self._joining = False
         self._require_partitioned("join")
-        grad_sync.shadow_until_all_joined(list(self.local_parameters()), list(self.local_buffers()), state.dp_group,
+        grad_sync.shadow_until_all_joined(self._reduced_parameter_sets(), list(self.local_buffers()), state.dp_group,
                                           topo.dp_group, topo.dp_size, self.bucket_bytes, self._steps_with_backward,
                                           *self._comm_hook)

@@ -108,6 +108,32 @@ def test_auto_partition_weighs_heavy_modules():
     assert a["small"] == 0 and a["out"] == 1
 
 
+def test_auto_partition_splits_the_blocks_of_a_module_list_the_forward_loops_over():
+    """GPT-2's layout: embeddings, blocks in a ModuleList (never called itself: the forward
+    loops over it), a final norm and head. The blocks are units of their own, split between
+    partitions in call order, not kept whole on the first partition."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(4, 64)
+            self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(8))
+            self.head = nn.Linear(64, 4)
+
+        def forward(self, x):
+            x = self.embed(x)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    net = Net()
+    with Tracer(net, timed=False) as tracer:
+        net(torch.randn(2, 4))
+    a = auto_assignment(net, tracer.trace, 2, 0.2)
+    parts = [a[f"blocks.{i}"] for i in range(8)]
+    assert parts == sorted(parts) and parts[0] == 0 and parts[-1] == 1, parts
+    assert a["embed"] == 0 and a["head"] == 1
+
+
 # -- microbatches ----------------------------------------------------------------------------------
 def test_split_follows_nesting_axes_and_non_split_inputs():
     class Sliced:
@@ -176,6 +202,26 @@ def test_tied_weights_across_partitions_train_like_one_process(procs, parts, pip
         assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
         holds_tie = "embed.weight" in r["local"]
         assert holds_tie == (r["pp_rank"] in (0, parts - 1)), r
+
+
+@pytest.mark.parametrize("procs, parts", LAYOUTS, ids=["pp2", "pp3", "pp2xdp2"])
+def test_a_gpt_shaped_transformer_auto_partitioned_trains_like_one_process(procs, parts):
+    """A small GPT-2-shaped decoder (causal attention blocks called from a Python loop over a
+    ModuleList, layer norms, the output projection tied to the token embedding), split by
+    the automatic partitioner: the same parameters and losses as one process."""
+    results = run_world(procs, "smp_pipeline.py", ["gpt", "auto", "interleaved", str(parts), "4", "5"], timeout=120)
+    assert_all_ok(results)
+    reports = [r.event("trained") for r in results]
+    owned = [set(r["local"]) for r in reports if r["dp_rank"] == 0]
+    assert sum(1 for o in owned if o) == parts, f"the model was not split into {parts}: {owned}"
+    blocks = [sum(1 for n in o if n.startswith("blocks.") and n.endswith(".ln1.weight")) for o in owned]
+    assert max(blocks) < 4, f"the blocks were not spread over the partitions: {blocks}"
+    holders = sorted(r["pp_rank"] for r in reports if r["dp_rank"] == 0 and "wte.weight" in r["local"])
+    assert holders == [0, parts - 1], f"the tied embedding should cross partitions: {holders}"
+    for r in reports:
+        assert r["keys_match"], r
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+        assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
 
 
 def test_a_rank_that_holds_no_parameters_still_steps():

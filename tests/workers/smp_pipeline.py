@@ -1,7 +1,7 @@
 """Pipeline training equivalence: N steps through smp on this world against one process
 training the same model on the same batches. Prints one JSON line per rank.
 
-argv: model (seq | skip | tied), mode (auto | manual), pipeline (simple | interleaved), partitions,
+argv: model (seq | skip | tied | gpt), mode (auto | manual), pipeline (simple | interleaved), partitions,
 microbatches, steps.
 """
 import os
@@ -55,7 +55,7 @@ class SkipNet(nn.Module):
         return {"logits": self.head(h) * scale, "hidden": h}
 
 
-VOCAB = 12
+VOCAB, SEQ = 12, 6
 
 
 class TiedLM(nn.Module):
@@ -78,10 +78,47 @@ class TiedLM(nn.Module):
         return self.head(self.body(self.embed(tokens).mean(dim=1)))
 
 
+class GptBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x, mask):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class MiniGpt(nn.Module):
+    """A GPT-2-shaped decoder: token and position embeddings, pre-norm blocks with causal
+    self-attention called from a Python loop over a ModuleList, a final norm, and the output
+    projection tied to the token embedding (as GPT-2's lm_head is)."""
+
+    def __init__(self, layers=4, d=WIDTH, heads=2, context=SEQ):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, d), nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(GptBlock(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.lm_head = nn.Linear(d, VOCAB, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, tokens):
+        t = tokens.shape[1]
+        mask = torch.triu(torch.full((t, t), float("-inf"), device=tokens.device), diagonal=1)
+        x = self.wte(tokens) + self.wpe(torch.arange(t, device=tokens.device))
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.lm_head(self.ln_f(x))
+
+
 def build():
     torch.manual_seed(1234)
     if MODEL == "tied":
         return TiedLM(PARTS)
+    if MODEL == "gpt":
+        return MiniGpt()
     if MODEL == "seq":
         layers = [nn.Linear(8, WIDTH), nn.ReLU()]
         for _ in range(5):
@@ -93,7 +130,7 @@ def build():
 
 def loss_of(out, target):
     logits = out["logits"] if isinstance(out, dict) else out
-    return F.cross_entropy(logits, target)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 def batches(dp_rank, dp_size):
@@ -103,6 +140,9 @@ def batches(dp_rank, dp_size):
         if MODEL == "tied":
             x = torch.randint(0, VOCAB, (BATCH * dp_size, 5), generator=g)
             y = torch.randint(0, VOCAB, (BATCH * dp_size,), generator=g)
+        elif MODEL == "gpt":  # next-token prediction: the targets are the tokens shifted by one
+            tokens = torch.randint(0, VOCAB, (BATCH * dp_size, SEQ + 1), generator=g)
+            x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
         else:
             x = torch.randn(BATCH * dp_size, 8, generator=g)
             y = torch.randint(0, 4, (BATCH * dp_size,), generator=g)

@@ -118,8 +118,16 @@ def auto_assignment(root: nn.Module, trace: Trace, parts: int, memory_weight: fl
     units: List[str] = []
     split_first: Dict[str, str] = {}
 
+    def called_below(p: str) -> List[str]:
+        # A container that is never called itself (a ModuleList or ModuleDict the parent's
+        # forward loops over) is seen through: its called modules are the parent's units.
+        out = []
+        for c in children[p]:
+            out.extend([c] if c in order else called_below(c))
+        return out
+
     def expand(p: str) -> None:
-        called = sorted((c for c in children[p] if c in order), key=lambda c: order[c])
+        called = sorted(called_below(p), key=lambda c: order[c])
         if parts > 1 and cost(p) > share and called:
             split_first[p] = called[0]
             for c in called:

@@ -224,6 +224,23 @@ def test_a_gpt_shaped_transformer_auto_partitioned_trains_like_one_process(procs
         assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
 
 
+@pytest.mark.parametrize("procs, parts", [(2, 2), (4, 2)], ids=["pp2", "pp2xdp2"])
+def test_hugging_face_gpt2_auto_partitioned_trains_like_one_process(procs, parts):
+    """transformers' GPT2LMHeadModel (small random configuration; its lm_head tied to the
+    token embedding) under smp with the automatic partitioner: the same parameters and
+    losses as one process (SGD with momentum). transformers comes with the [integrations] extra."""
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install transformers)")
+    results = run_world(procs, "smp_hf_gpt2.py", [str(parts), "interleaved", "4"], timeout=180)
+    assert_all_ok(results)
+    reports = [r.event("trained") for r in results]
+    holders = sorted(r["pp_rank"] for r in reports if r["dp_rank"] == 0 and "transformer.wte.weight" in r["local"])
+    assert holders == [0, parts - 1], holders
+    for r in reports:
+        assert r["keys_match"], r
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+        assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
+
+
 def test_a_rank_that_holds_no_parameters_still_steps():
     """Manual partitioning without smp.partition contexts puts everything on partition 0: the
     other rank owns nothing, serves nothing, and its optimizer steps nothing."""

@@ -5,7 +5,8 @@
 Faults: a rank SIGKILLed during a large allreduce (tests/workers/dead_peer.py) and a rank
 stopped with SIGSTOP (alive, sockets open, silent: tests/workers/stalled_peer.py), each for
 the coordinator (rank 0) and another rank, on one host and on two simulated hosts (TCP
-between them). The victim prints its wall time as it fails, the survivors theirs as they
+between them); and a rank stopped while the others wait on point-to-point receives from it
+(SIGSTOP-p2p: a pipeline stage's wait, told by its engine no longer answering pings). The victim prints its wall time as it fails, the survivors theirs as they
 raise; on one machine the clocks are the same. A stall can only be told from slowness by
 the timeout (SMDDP_TIMEOUT), so its figure is the timeout plus the detection delay; a death
 needs no timeout. Writes bench/results/fault_detection.json.
@@ -29,13 +30,15 @@ SCENARIOS = [  # (fault, worker, ranks, hosts, victim)
     ("SIGKILL", "dead_peer.py", 4, 2, 3), ("SIGKILL", "dead_peer.py", 4, 2, 0),
     ("SIGSTOP", "stalled_peer.py", 4, 1, 2), ("SIGSTOP", "stalled_peer.py", 4, 1, 0),
     ("SIGSTOP", "stalled_peer.py", 4, 2, 3), ("SIGSTOP", "stalled_peer.py", 4, 2, 0),
+    ("SIGSTOP-p2p", "stalled_peer.py", 4, 1, 2), ("SIGSTOP-p2p", "stalled_peer.py", 4, 2, 3),
 ]
 
 
 def run_once(fault, worker, n, hosts, victim, timeout):
-    args = ["during", str(victim)] if worker == "dead_peer.py" else [str(victim)]
+    args = (["during", str(victim)] if worker == "dead_peer.py"
+            else [str(victim), "p2p" if fault == "SIGSTOP-p2p" else "announced"])
     results = run_world(n, worker, args, env={"SMDDP_TIMEOUT": str(timeout)}, hosts=hosts,
-                        kill_after_others=[victim] if fault == "SIGSTOP" else (), timeout=120)
+                        kill_after_others=[victim] if fault.startswith("SIGSTOP") else (), timeout=120)
     faults = results[victim].events("fault")
     delays, named = [], 0
     for r in results:
@@ -67,11 +70,11 @@ def main():
                "slowest_survivor_s_median_run": sorted(r["slowest_s"] for r in ok)[len(ok) // 2] if ok else None}
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\n{'fault':8} {'ranks':>5} {'hosts':>5} {'victim':>6} {'every rank raised':>18} {'named':>7} "
+    print(f"\n{'fault':11} {'ranks':>5} {'hosts':>5} {'victim':>6} {'every rank raised':>18} {'named':>7} "
           f"{'median s':>9} {'worst s':>8}")
     for r in rows:
         med, worst = r["slowest_survivor_s_median_run"], r["slowest_survivor_s_worst_run"]
-        print(f"{r['fault']:8} {r['ranks']:>5} {r['hosts']:>5} {r['victim']:>6} "
+        print(f"{r['fault']:11} {r['ranks']:>5} {r['hosts']:>5} {r['victim']:>6} "
               f"{r['runs_where_every_survivor_raised']:>9}/{r['runs']:<8} {r['survivors_naming_the_victim']:>7} "
               f"{med if med is None else round(med, 2):>9} {worst if worst is None else round(worst, 2):>8}")
     Path(args.out).write_text(json.dumps({

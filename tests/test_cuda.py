@@ -108,6 +108,23 @@ def test_cuda_dead_peer_raises():
     assert "rank 1" in results[0].stdout, results[0].output
 
 
+@needs_two_gpus
+@pytest.mark.parametrize("case", ["dead", "stalled"])
+def test_cuda_torch_ddp_raises_when_a_peer_dies_or_stalls(case):
+    """torch DDP on GPUs through smddp (NCCL): a peer that dies or stops mid-training makes
+    every survivor raise, naming it, within the timeout plus a little (the CPU suite's
+    test_torch_ddp_raises_when_a_peer_dies_or_stalls, on GPUs)."""
+    timeout = 10
+    n = min(GPUS, 3)
+    results = run_world(n, "torch_ddp_faults.py", [case], env={"SMDDP_TIMEOUT": str(timeout)}, gpus=True,
+                        kill_after_others=[n - 1] if case == "stalled" else [], timeout=120)
+    for r in results[:-1]:
+        assert r.returncode == 0, r.output
+        e = r.event("raised")
+        assert f"rank {n - 1}" in e["message"] or f"rank(s) {n - 1}" in e["message"], e["message"]
+        assert e["after_s"] <= timeout + 3, e
+
+
 LEGACY_VS_NCCL = {
     # model: variants run in one world (each a fresh pair of models)
     "resnet": "default,overlap,after,small-buckets,bf16,nosync,unused,no-buffers,torch-ddp-smddp",

@@ -3,7 +3,9 @@ backward (or the optimizer step after it) raises a RuntimeError naming the failu
 the timeout, instead of crashing or hanging.
 
 usage: torch_ddp_faults.py dead|stalled   (the last rank is the one that fails)
-Prints "RAISED after <s> s: <message>" on survivors.
+Survivors report "raised" {after_s, message} (report.py). With SMDDP_TEST_DEVICE=cuda each
+rank trains on its GPU (NCCL through smddp), reading the loss each step as training loops
+that log it do, so the host meets the failure within a step.
 """
 import os
 import signal
@@ -22,7 +24,13 @@ def main(case):
     P, me = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    device = torch.device("cpu")
+    if os.environ.get("SMDDP_TEST_DEVICE") == "cuda":
+        device = torch.device("cuda", me % torch.cuda.device_count())  # one rank per GPU
+        torch.cuda.set_device(device)
+    model = model.to(device)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=0.001)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     victim = P - 1
     for step in range(1000):
@@ -33,8 +41,10 @@ def main(case):
         t0 = time.monotonic()
         try:
             opt.zero_grad()
-            ddp(torch.randn(8, 32)).sum().backward()
+            loss = ddp(torch.randn(8, 32, device=device)).sum()
+            loss.backward()
             opt.step()
+            loss.item()
         except RuntimeError as e:
             report("raised", after_s=time.monotonic() - t0, message=str(e).splitlines()[0])
             os._exit(0)  # the group is gone; leave without a goodbye to the stopped peer

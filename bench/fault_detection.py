@@ -6,8 +6,9 @@ Faults: a rank SIGKILLed during a large allreduce (tests/workers/dead_peer.py) a
 stopped with SIGSTOP (alive, sockets open, silent: tests/workers/stalled_peer.py), each for
 the coordinator (rank 0) and another rank, on one host and on two simulated hosts (TCP
 between them); and a rank stopped while the others wait on point-to-point receives from it
-(SIGSTOP-p2p: a pipeline stage's wait, told by its engine no longer answering pings). The victim prints its wall time as it fails, the survivors theirs as they
-raise; on one machine the clocks are the same. A stall can only be told from slowness by
+(SIGSTOP-p2p: a pipeline stage's wait, told by its engine no longer answering pings). The
+victim prints its wall time as it fails, the survivors theirs as they raise; on one machine
+the clocks are the same. A stall can only be told from slowness by
 the timeout (SMDDP_TIMEOUT), so its figure is the timeout plus the detection delay; a death
 needs no timeout. Writes bench/results/fault_detection.json.
 """

@@ -81,14 +81,17 @@ def test_calls_from_several_threads_in_a_fixed_order_are_exact():
         assert r.event("exact")["elements"] == 20 * 5 * 64
 
 
+@pytest.mark.parametrize("backend", ["native", "python"])
 @pytest.mark.parametrize("case", ["disorder", "handoff"])
-def test_calls_that_reach_a_group_from_different_threads_raise_on_every_rank(case):
+def test_calls_that_reach_a_group_from_different_threads_raise_on_every_rank(case, backend):
     """torch.distributed calls carry no names: the k-th call of every rank is matched with the
     k-th of the others. Two threads whose calls reach the group in another order on rank 0 than
     on the others (disorder), or one call made by another thread on rank 0 (handoff), with
     tensors of one shape, would silently sum one thread's tensor with another's: every rank
-    raises instead, naming each rank's calling thread, and the group still works."""
-    results = run_world(3, "torch_threads.py", [case], env=FAST_TIMEOUT, timeout=120)
+    raises instead, naming each rank's calling thread, and the group still works. Both the C++
+    Backend and the Python process group (SMDDP_TORCH_BACKEND=python) carry the thread."""
+    results = run_world(3, "torch_threads.py", [case], env=dict(FAST_TIMEOUT, SMDDP_TORCH_BACKEND=backend),
+                        timeout=120)
     assert_all_ok(results)
     for r in results:
         msgs = raised(r)

@@ -337,6 +337,10 @@ void NcclGroup::abort(const std::string& reason) {
   if (comm) gpu::runtime().ncclCommAbort(comm);
 }
 
+namespace {
+constexpr double kNamedFailureGraceS = 2.0;
+}  // namespace
+
 void NcclGroup::watchdog() {
   gpu::runtime().cudaSetDevice(device_);  // this thread's own; the caller's device is untouched
   std::unique_lock<std::mutex> lock(mutex_);
@@ -366,7 +370,10 @@ void NcclGroup::watchdog() {
     }
     if (reason.empty() && !outstanding_.empty()) {
       const double waited = (now_us() - outstanding_.front().enqueued_us) / 1e6;
-      if (waited > options_.timeout_s)
+      // A rank that stopped before calling shows up in the argument checks, which name it
+      // at the same timeout: while checks are pending, give them the first word.
+      const double grace = engine_ && !checks_.empty() ? kNamedFailureGraceS : 0.0;
+      if (waited > options_.timeout_s + grace)
         reason = "NCCL collective batch #" + std::to_string(outstanding_.front().batch) + " on rank " +
                  std::to_string(rank_) + " did not finish within " + std::to_string(int(options_.timeout_s)) +
                  " s: a peer rank died, hangs, or did not call the same collective";

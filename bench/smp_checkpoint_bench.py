@@ -59,6 +59,10 @@ def main():
     args = ap.parse_args()
     n = int(os.environ.get("WORLD_SIZE", os.environ.get("SMDDP_SIZE", "1")))
     smp.init({"partitions": n, "microbatches": 1, "auto_partition": True})
+    dev = torch.device("cpu")
+    if torch.cuda.is_available():  # one GPU per rank, as the seed scripts set it
+        torch.cuda.set_device(smp.local_rank())
+        dev = torch.device("cuda", smp.local_rank())
     torch.manual_seed(0)
     with torch.no_grad():
         module = nn.Sequential(*[nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers)])
@@ -70,7 +74,7 @@ def main():
         return model(x)
 
     with torch.no_grad():
-        forward(model, torch.zeros(1, args.width))  # partitions the model
+        forward(model, torch.zeros(1, args.width, device=dev))  # partitions the model
     if smp.rank() == 0:
         shutil.rmtree(args.dir, ignore_errors=True)
         os.makedirs(args.dir)

@@ -218,6 +218,22 @@ def test_cuda_modelparallel_seed_002_script(tmp_path):
     assert proc.stdout.count(" loss ") == 4, proc.stdout
 
 
+@needs_two_gpus
+def test_cuda_modelparallel_checkpoints_resume_the_same_training(tmp_path):
+    """Two pipeline stages on two GPUs: partial and full checkpoints (model and Adam state,
+    saved from GPU partitions) resume the same training bitwise, as on CPU."""
+    runs = {}
+    for phase in ("first", "resume_partial", "resume_full"):
+        results = run_world(2, "smp_checkpoint.py", [str(tmp_path), phase, "2", "2"], gpus=True, timeout=180)
+        assert_all_ok(results)
+        runs[phase] = results[0].event("trained")["losses"]
+    assert runs["resume_partial"] == runs["first"] and runs["resume_full"] == runs["first"], runs
+    final = torch.load(tmp_path / "final_first_2x2.pt", map_location="cpu")
+    for phase in ("resume_partial", "resume_full"):
+        other = torch.load(tmp_path / f"final_{phase}_2x2.pt", map_location="cpu")
+        assert all(torch.equal(final[k], other[k]) for k in final), phase
+
+
 @needs_a_gpu
 def test_cuda_modelparallel_one_gpu_amp_autocast_and_checkpoint(tmp_path):
     """partitions 1 on a GPU: GradScaler against torch's, bf16 autocast, a partial round trip."""

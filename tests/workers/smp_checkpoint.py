@@ -54,6 +54,10 @@ def build(seed):
 
 def main():
     smp.init({"partitions": PARTS, "microbatches": 2, "pipeline": "simple", "ddp": PROCS > PARTS})
+    dev = torch.device("cpu")
+    if os.environ.get("SMDDP_TEST_DEVICE") == "cuda":  # one GPU per rank: the partitions live there
+        torch.cuda.set_device(smp.local_rank())
+        dev = torch.device("cuda", smp.local_rank())
     model = smp.DistributedModel(build(1 if PHASE == "first" else 2))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
     ckpt, full = os.path.join(DIR, "checkpoint.pt"), os.path.join(DIR, "full.pt")
@@ -98,7 +102,7 @@ def main():
     losses = []
     for i in range(first, 4):
         opt.zero_grad()
-        loss = train_step(model, *batches[i]).reduce_mean()
+        loss = train_step(model, *(t.to(dev) for t in batches[i])).reduce_mean()
         opt.step()
         losses.append(loss.item())
         if PHASE == "first" and i == 1 and smp.dp_rank() == 0:

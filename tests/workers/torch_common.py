@@ -106,3 +106,15 @@ def native_backend() -> bool:
         return hasattr(dist.group.WORLD._get_backend(torch.device("cpu")), "impl")
     except RuntimeError:
         return False
+
+
+def expect_error(fn) -> None:
+    """Runs fn, which must raise a RuntimeError; reports it ("raised", report.py)."""
+    from report import report
+
+    try:
+        fn()
+    except RuntimeError as e:
+        report("raised", message=str(e).replace("\n", " "))
+        return
+    raise AssertionError("expected a RuntimeError")

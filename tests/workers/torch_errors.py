@@ -12,17 +12,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from report import report
+from torch_common import expect_error
 
 import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401
-
-
-def expect_error(fn):
-    try:
-        fn()
-    except RuntimeError as e:
-        report("raised", message=str(e).replace("\n", " "))
-        return
-    raise AssertionError("expected a RuntimeError")
 
 
 def main(case):

@@ -21,6 +21,7 @@ import threading
 import torch
 import torch.distributed as dist
 from report import report
+from torch_common import expect_error
 
 import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401
 
@@ -98,15 +99,6 @@ def ordered(me: int, size: int) -> None:
         assert torch.equal(a, expected(size, base + 3)) and torch.equal(b[1], expected(size, base + 4))
         checked += 2 * N
     report("exact", elements=checked)
-
-
-def expect_error(fn) -> None:
-    try:
-        fn()
-    except RuntimeError as e:
-        report("raised", message=str(e).replace("\n", " "))
-        return
-    raise AssertionError("expected a RuntimeError")
 
 
 def disorder(me: int, size: int) -> None:

@@ -1,6 +1,6 @@
 """Where a DDP step of the anchor transformer spends its time on the GPU (torch profiler).
 
-    smddprun -np 2 python bench/gpu_ddp_profile.py
+    smddprun -np 2 python bench/gpu_ddp_profile.py [--trace-dir DIR]
 
 For one GPU without DDP, torch DDP over NCCL and over smddp, and this library's DDP (fp32 and bf16 on the
 wire), rank 0 prints the wall time per step, the host time of backward, and GPU kernel time
@@ -8,6 +8,10 @@ per step by kind (NCCL, matrix multiplications, the rest), then the top kernels.
 """
 from __future__ import annotations
 
+import gzip
+import os
+import shutil
+import sys
 import time
 
 import torch
@@ -21,6 +25,7 @@ from smdistributed.dataparallel.torch.parallel import DistributedDataParallel as
 from gpu_ddp_scaling import build
 
 STEPS = 5
+TRACE_DIR = sys.argv[sys.argv.index("--trace-dir") + 1] if "--trace-dir" in sys.argv else None
 
 
 def kind(name: str) -> str:
@@ -55,6 +60,13 @@ def profile_variant(name, model, params, x, rank):
         host = sum(step() for _ in range(STEPS))
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / STEPS
+    if TRACE_DIR:  # Chrome traces for bench/gpu_idle_gaps.py
+        os.makedirs(TRACE_DIR, exist_ok=True)
+        raw = os.path.join(TRACE_DIR, name.replace(" ", "_").replace(",", "") + f".rank{rank}.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(raw)
     if rank != 0:
         return
     by_kind = {}

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 2 bench/pipeline_bench.py                     # 2 GPUs
     torchrun --nproc_per_node 2 bench/pipeline_bench.py --device cpu --small # 2 CPU processes, Gloo peer
     torchrun --nproc_per_node 1 bench/pipeline_bench.py --only single,smp --act-ckpt  # one GPU, memory
+    torchrun --nproc_per_node 2 bench/pipeline_bench.py --device cpu --tiny  # the schedules' host cost
 
 The number of partitions is the number of processes.
 Model (GPU): 16 TransformerEncoderLayers (width 1024, 16 heads, ffn 4096), bf16 parameters,
@@ -25,6 +26,9 @@ import smdistributed.modelparallel.torch as smp
 p = argparse.ArgumentParser()
 p.add_argument("--device", default="cuda")
 p.add_argument("--small", action="store_true", help="8 layers of width 256, batch 32 x 64 (for CPUs)")
+p.add_argument("--tiny", action="store_true",
+               help="16 layers of width 64, batch 64 x 16: compute is negligible, so the step time is the host's "
+                    "cost of running the schedule (what bounds the GPU runs at 8 and 16 microbatches)")
 p.add_argument("--micro", default="4,8,16")
 p.add_argument("--steps", type=int, default=10)
 p.add_argument("--warmup", type=int, default=3)
@@ -32,8 +36,13 @@ p.add_argument("--only", default="single,torch,smp")
 p.add_argument("--pipelines", default="simple,interleaved")
 p.add_argument("--act-ckpt", action="store_true",
                help="also time smp with every layer under smp.set_activation_checkpointing (suffix _ckpt)")
+p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
 args = p.parse_args()
-D, H, F, L, B, S = (256, 8, 1024, 8, 32, 64) if args.small else (1024, 16, 4096, 16, 64, 256)
+if args.switch_interval is not None:
+    import sys
+    sys.setswitchinterval(args.switch_interval)
+D, H, F, L, B, S = ((256, 8, 1024, 8, 32, 64) if args.small else (64, 4, 256, 16, 64, 16) if args.tiny
+                    else (1024, 16, 4096, 16, 64, 256))
 DTYPE = torch.float32 if args.device == "cpu" else torch.bfloat16
 
 

@@ -13,6 +13,7 @@ p.add_argument("prefix")
 p.add_argument("--ranks", type=int, default=2)
 p.add_argument("--window-ms", type=float, default=0, help="analyse only the trace's last N ms")
 p.add_argument("--show", type=int, default=40)
+p.add_argument("--merged", type=float, default=0, help="also print the last N ms of all ranks on one time axis")
 args = p.parse_args()
 
 for r in range(args.ranks):
@@ -28,3 +29,15 @@ for r in range(args.ranks):
           f"sends {sum(e['dur'] for e in sends) / 1e3:.1f} ms")
     for e in sorted(compute, key=lambda e: e["ts"])[-args.show:]:
         print(f"   {(e['ts'] - start) / 1e3:8.2f} +{e['dur'] / 1e3:6.2f} ms  {e['name']}")
+
+if args.merged:  # both ranks on one clock (one host): who computes when, side by side
+    spans = []
+    for r in range(args.ranks):
+        for e in json.load(open(f"{args.prefix}.smp.rank{r}.json"))["traceEvents"]:
+            if e["cat"] == "compute" and e["dur"] >= 50:
+                spans.append((e["ts"], e["dur"], r, e["name"]))
+    end = max(t + d for t, d, _, _ in spans)
+    start = end - args.merged * 1e3
+    print(f"\nlast {args.merged} ms, spans of 0.05 ms or more (time, length, rank, task):")
+    for t, d, r, name in sorted(s for s in spans if s[0] >= start):
+        print(f"   {(t - start) / 1e3:8.2f} +{d / 1e3:6.2f} ms  {'    ' * r}rank {r} {name}")

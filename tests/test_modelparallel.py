@@ -187,6 +187,17 @@ def test_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):
         assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
 
 
+@pytest.mark.parametrize("procs, parts", [(2, 2), (3, 3)], ids=["pp2", "pp3"])
+def test_more_microbatches_than_may_be_active_train_like_one_process(procs, parts):
+    """8 microbatches, at most 2 in flight: they start in order and each stage runs the oldest
+    first (a later microbatch taking the last slot before an earlier one hung here)."""
+    results = run_world(procs, "smp_pipeline.py", ["skip", "manual", "interleaved", str(parts), "8", "3", "2"],
+                        timeout=120)
+    assert_all_ok(results)
+    for r in (r.event("trained") for r in results):
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+
+
 @pytest.mark.parametrize("procs, parts", LAYOUTS, ids=["pp2", "pp3", "pp2xdp2"])
 @pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
 def test_tied_weights_across_partitions_train_like_one_process(procs, parts, pipeline):

@@ -16,6 +16,7 @@ import smdistributed.modelparallel.torch as smp
 
 MODEL, MODE, PIPELINE = sys.argv[1], sys.argv[2], sys.argv[3]
 PARTS, MBS, STEPS = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+ACTIVE = int(sys.argv[7]) if len(sys.argv) > 7 else None  # active_microbatches (default partitions + 2)
 BATCH, WIDTH = 24, 16
 DEVICE = os.environ.get("SMDDP_TEST_DEVICE", "cpu")
 AUTOCAST = os.environ.get("SMP_TEST_AUTOCAST") == "1"  # bf16 autocast around the reference and the step
@@ -155,6 +156,8 @@ def main():
            "auto_partition": MODE == "auto", "ddp": True}
     if MODE == "manual":
         cfg["default_partition"] = 0
+    if ACTIVE is not None:
+        cfg["active_microbatches"] = ACTIVE
     smp.init(cfg)
     dev = torch.device("cpu")
     if DEVICE == "cuda":

@@ -109,6 +109,7 @@ class PipelineRuntime:
         self._threads: List[TaskHandle] = []
         self._flow = threading.Condition()
         self._started = 0
+        self._first_computed = 0  # microbatches that have taken the compute token once
         self._finished = 0
         self._at_backward = 0
         self._serving_backward = 0
@@ -180,7 +181,7 @@ class PipelineRuntime:
             if self.pp_rank == self.root_owner:
                 self._admit(mb)
             with torch.set_grad_enabled(grad_enabled), self._autocast_context():
-                self._token.acquire(self._prio(task), self._label(task))
+                self._acquire_in_order(task)
                 try:
                     results[mb] = fn(*args, **kwargs)
                 finally:
@@ -197,6 +198,21 @@ class PipelineRuntime:
                 self._flow.notify_all()
             self._check_grads_final()
 
+    def _acquire_in_order(self, task: Task) -> None:
+        """A microbatch's first compute waits for the previous microbatch's first: the threads
+        start together, and whichever the OS ran first would otherwise take the token (measured:
+        the root sent microbatch 2's forward before microbatch 0's, and every stage after it
+        worked out of order, delaying the first backward)."""
+        with self._flow:
+            while self._first_computed < task.mb:
+                if self._error is not None:
+                    raise self._error
+                self._flow.wait(0.5)
+        self._token.acquire(self._prio(task), self._label(task))
+        with self._flow:
+            self._first_computed = max(self._first_computed, task.mb + 1)
+            self._flow.notify_all()
+
     def _check_grads_final(self) -> None:
         """This rank's gradients are final once its microbatches have all run their step
         function (so every forward call of the step, here included, has been served: the root's
@@ -212,9 +228,12 @@ class PipelineRuntime:
         self.on_grads_final()
 
     def _admit(self, mb: int) -> None:
-        """Interleaved: at most `active_microbatches` microbatches between start and finish."""
+        """Microbatches start in order; interleaved: at most `active_microbatches` of them
+        between start and finish. (In order, or a later microbatch could take the last slot and
+        then wait for an earlier one to compute first, which waits for the slot.)"""
         with self._flow:
-            while self.pipeline == "interleaved" and self._started - self._finished >= self.active:
+            while self._started != mb or (self.pipeline == "interleaved" and
+                                          self._started - self._finished >= self.active):
                 if self._error is not None:
                     raise self._error
                 self._flow.wait(0.5)
@@ -227,7 +246,7 @@ class PipelineRuntime:
         return f"{task.kind} {task.phase} mb{task.mb}"
 
     def _prio(self, task: Task):
-        return priority(task.phase, task.mb)
+        return priority(task.phase, task.mb, self.pipeline)
 
     def _autocast_context(self):
         stack = contextlib.ExitStack()

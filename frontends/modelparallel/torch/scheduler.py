@@ -6,17 +6,18 @@ Only one of them computes at a time: it holds the compute token, and gives it ba
 it waits on a peer. The waiting task with the smallest priority gets the token next, so the
 order of work is decided by the schedule, not by thread timing:
 
-    forward work before backward work, then the oldest microbatch.
+    "simple": forward work before backward work, then the oldest microbatch;
+    "interleaved": the oldest microbatch, its backward before later forwards.
 
-Forward first keeps the last stage busy: its backward of a microbatch can only start after
-the root has computed that microbatch's loss, so a backward-first order (tried first) left
-the last stage's next forward waiting behind every backward it had queued, and the step
-ended with the first stage idle (measured on 2 GPUs: 135 ms against 79 ms for GPipe order
-at 4 microbatches). What distinguishes the schedules is in the runtime: "simple" holds every
-backward until all forwards are done (GPipe); "interleaved" starts a microbatch's backward as
-soon as its loss is there and admits at most `active_microbatches` microbatches at once, so
-with more microbatches than that a stage alternates forward and backward (1F1B) and holds
-the activations of only that many.
+Under "simple" every backward is held until all forwards are done (GPipe), so only the
+microbatch order matters there. Under "interleaved" the oldest microbatch goes first, its
+backward included: a stage runs a microbatch's backward as soon as its gradient is there,
+before the forwards of later microbatches (1F1B), and admits at most `active_microbatches`
+microbatches at once, holding the activations of only that many. (Forward work first under
+"interleaved", used until 2026-11-25, made the last stage serve every queued forward before
+the first backward: on 2 CPU processes at 4 microbatches the stages ran F0 F1 F2 F3 B0 B1 B2
+B3, a GPipe schedule; oldest-first runs F0 F1 B0 F2 B1 ...) A plain backward-first order,
+tried before either, left the last stage's next forward behind every backward it had queued.
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ FORWARD = "fwd"
 BACKWARD = "bwd"
 
 
-def priority(phase: str, mb: int) -> Tuple[int, int]:
+def priority(phase: str, mb: int, pipeline: str) -> Tuple[int, int]:
+    if pipeline == "interleaved":
+        return (mb, 0 if phase == FORWARD else 1)
     return (0 if phase == FORWARD else 1, mb)
 
 

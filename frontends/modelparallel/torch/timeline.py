@@ -22,7 +22,7 @@ class Timeline:
         self.path: Optional[str] = f"{prefix}.smp.rank{rank}.json" if prefix else None
         self._events: List[dict] = []
         self._lock = threading.Lock()
-        self._t0 = time.perf_counter()
+        self._rank = rank
 
     @property
     def enabled(self) -> bool:
@@ -31,8 +31,10 @@ class Timeline:
     def add(self, name: str, cat: str, start: float, end: float) -> None:
         if self.path is None:
             return
-        event = {"name": name, "cat": cat, "ph": "X", "pid": 0, "tid": threading.current_thread().name,
-                 "ts": (start - self._t0) * 1e6, "dur": (end - start) * 1e6}
+        # perf_counter is CLOCK_MONOTONIC, one clock for every process of a host: the ranks'
+        # traces line up when opened together (one pid per rank).
+        event = {"name": name, "cat": cat, "ph": "X", "pid": self._rank, "tid": threading.current_thread().name,
+                 "ts": start * 1e6, "dur": (end - start) * 1e6}
         with self._lock:
             if len(self._events) < _MAX_EVENTS:
                 self._events.append(event)

@@ -1,0 +1,138 @@
+"""Where a 2-GPU pipeline step goes: smp against torch's Schedule1F1B, same model and split.
+
+    torchrun --nproc_per_node 2 bench/pipeline_profile.py --micro 4 --trace-dir traces/
+
+The pipeline benchmark's model (16 encoder layers d1024, bf16, batch 64 x 256, split 8 + 8).
+For each schedule, every rank prints: wall ms per step, the host time to issue one step, the
+GPU time between step starts (CUDA events), and GPU kernel time per step; with --trace-dir
+each rank writes a torch profiler trace of 2 steps per schedule (bench/gpu_idle_gaps.py
+reads them: where the GPU waits and what the host threads did meanwhile).
+"""
+import argparse
+import dataclasses
+import gzip
+import os
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import smdistributed.modelparallel.torch as smp
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--micro", type=int, default=4)
+ap.add_argument("--trace-dir", default=None)
+ap.add_argument("--only", default="torch_1f1b,smp_interleaved,smp_simple")
+ap.add_argument("--switch-interval", type=float, default=None)
+args = ap.parse_args()
+if args.switch_interval is not None:
+    sys.setswitchinterval(args.switch_interval)
+D, H, F, L, B, S = 1024, 16, 4096, 16, 64, 256
+
+
+def layers(n):
+    torch.manual_seed(0)
+    return [torch.nn.TransformerEncoderLayer(D, H, F, batch_first=True, dropout=0.0) for _ in range(n)]
+
+
+def loss_fn(out, target):
+    return (out.float() - target.float()).pow(2).mean()
+
+
+def measure(name, step, rank, barrier):
+    for _ in range(4):
+        step()
+    torch.cuda.synchronize()
+    barrier()
+    t0 = time.perf_counter()
+    for _ in range(6):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 6
+    barrier()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    issue = time.perf_counter() - t0  # the GPU starts idle: how long the host takes to issue a step
+    torch.cuda.synchronize()
+    barrier()
+    marks = []
+    for _ in range(5):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        marks.append(e)
+        step()
+    torch.cuda.synchronize()
+    gpu = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+    barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    kernels = sum(e.self_device_time_total for e in prof.key_averages()
+                  if e.device_type == torch.autograd.DeviceType.CUDA) / 2 / 1e3
+    print(f"[rank {rank}] {name}: wall {wall * 1e3:.1f} ms/step, host issue {issue * 1e3:.1f} ms, "
+          f"GPU between steps {' '.join(f'{g:.1f}' for g in gpu)} ms, kernels {kernels:.1f} ms/step", flush=True)
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        raw = os.path.join(args.trace_dir, f"{name}.rank{rank}.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(raw + ".gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(raw)
+    barrier()
+
+
+def main():
+    m = args.micro
+    smp.init({"partitions": 2, "microbatches": m})
+    rank = dist.get_rank()
+    torch.cuda.set_device(smp.local_rank())
+    dev = torch.device("cuda", smp.local_rank())
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(B, S, D, generator=g).to(dev, torch.bfloat16)
+    y = torch.randn(B, S, D, generator=g).to(dev, torch.bfloat16)
+    nccl = dist.new_group(backend="nccl")
+    barrier = lambda: dist.barrier(group=nccl)  # noqa: E731
+    if "torch_1f1b" in args.only:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        part = torch.nn.Sequential(*layers(L)[rank * L // 2:(rank + 1) * L // 2]).to(dev, torch.bfloat16)
+        sched = Schedule1F1B(PipelineStage(part, rank, 2, dev, group=nccl), n_microbatches=m, loss_fn=loss_fn)
+        opt = torch.optim.SGD(part.parameters(), lr=1e-3)
+
+        def torch_step():
+            opt.zero_grad(set_to_none=True)
+            sched.step(x) if rank == 0 else sched.step(target=y, losses=[])
+            opt.step()
+
+        measure(f"torch_1f1b_m{m}", torch_step, rank, barrier)
+        del part, sched, opt
+    model = smp.DistributedModel(torch.nn.Sequential(*layers(L)).to(torch.bfloat16), trace_device="gpu")
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = loss_fn(model(x), y)
+        model.backward(loss)
+        return loss
+
+    base = smp._state.cfg
+    for pipeline in ("interleaved", "simple"):
+        if f"smp_{pipeline}" not in args.only:
+            continue
+        smp._state.cfg = dataclasses.replace(base, pipeline=pipeline)
+
+        def smp_step():
+            opt.zero_grad(set_to_none=True)
+            train_step(model, x, y)
+            opt.step()
+
+        measure(f"smp_{pipeline}_m{m}", smp_step, rank, barrier)
+
+
+if __name__ == "__main__":
+    main()

@@ -72,6 +72,12 @@ const std::vector<ConfigVar>& config_table() {
        "threads fail with an error saying so, instead of reducing one thread's tensor with another's. "
        "0: off, for programs that hand a group's calls from thread to thread in an order they fix "
        "(e.g. a pool of several threads running one task at a time). Must be the same on every rank"},
+      {"SMDDP_SMP_OUTPUT_BACKWARD", "1",
+       "smp pipelines: 1: when the root module is an nn.Sequential whose last children live on "
+       "another partition, that partition keeps its result as its copy of the model output and "
+       "starts each microbatch's backward from its own copy of the loss (as a last pipeline stage "
+       "does), saving two messages per microbatch; needs the step function to compute the same "
+       "loss from the same output on every rank. 0: the root sends the output's gradient"},
       {"SMDDP_CONSISTENCY_CHECK", "1",
        "1: once per training loop (the second gradient reduction of each TensorFlow tape or "
        "optimizer, and after the second batch of model.fit with the broadcast callback) the ranks "

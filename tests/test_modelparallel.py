@@ -168,7 +168,7 @@ def test_step_output_reductions():
 # -- pipelines of processes --------------------------------------------------------------------------
 LAYOUTS = [(2, 2), (3, 3), (4, 2)]  # (processes, partitions): pp=2, pp=3, pp=2 x dp=2
 CASES = [("skip", "manual", "simple"), ("skip", "manual", "interleaved"), ("skip", "auto", "simple"),
-         ("seq", "auto", "interleaved")]
+         ("seq", "auto", "simple"), ("seq", "auto", "interleaved")]
 
 
 @pytest.mark.parametrize("procs, parts", LAYOUTS, ids=["pp2", "pp3", "pp2xdp2"])
@@ -185,6 +185,11 @@ def test_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):
         assert r["keys_match"], r
         assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
         assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
+    # A Sequential root: the last stage starts every microbatch's backward from its own loss
+    # (5 steps x 4 microbatches); a custom forward (skip) keeps the root's round trip.
+    last = {r["pp_rank"]: r["output_backwards"] for r in reports}
+    assert last == ({p: (20 if p == parts - 1 else 0) for p in range(parts)} if model == "seq"
+                    else {p: 0 for p in range(parts)}), last
 
 
 @pytest.mark.parametrize("procs, parts", [(2, 2), (3, 3)], ids=["pp2", "pp3"])
@@ -266,6 +271,12 @@ def test_misuse_gets_clear_errors_and_the_pipeline_still_works():
     results = run_world(2, "smp_errors.py", ["misuse"], timeout=90)
     assert_all_ok(results)
     assert all("MISUSE OK" in r.stdout for r in results)
+
+
+def test_backward_called_on_one_rank_only_is_an_error_on_every_rank():
+    results = run_world(2, "smp_errors.py", ["backward_on_one_rank"], timeout=90)
+    assert_all_ok(results)
+    assert all("BACKWARD ON ONE RANK OK" in r.stdout for r in results)
 
 
 def test_bad_configuration_is_refused_on_every_rank_before_any_work():

@@ -1,6 +1,6 @@
 """Misuse and failures of smdistributed.modelparallel.torch: each case prints (or reports,
 report.py) what every rank saw. argv: case (misuse | bad_config | rank_dies | rank_stops |
-quiet_links)."""
+quiet_links | backward_on_one_rank)."""
 import os
 import signal
 import sys
@@ -150,5 +150,26 @@ def quiet_links():
     print("QUIET OK", flush=True)
 
 
+def backward_on_one_rank():
+    """The last stage starts the backward from its own loss (a Sequential root whose last
+    children live on partition 1): a step function that calls model.backward on rank 0 only
+    gets an error naming the requirement on both ranks, not a hang."""
+    smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+    with smp.partition(1):
+        head = nn.Linear(8, 2)
+    model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), head))
+
+    @smp.step
+    def rank0_backward(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        if smp.pp_rank() == 0:
+            model.backward(loss)
+        return loss
+
+    expect(smp.StepFailed, "call model.backward on every rank",
+           lambda: rank0_backward(model, torch.randn(4, 8), torch.randint(0, 2, (4,))))
+    print("BACKWARD ON ONE RANK OK", flush=True)
+
+
 {"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
- "quiet_links": quiet_links}[CASE]()
+ "quiet_links": quiet_links, "backward_on_one_rank": backward_on_one_rank}[CASE]()

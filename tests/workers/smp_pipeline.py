@@ -218,7 +218,8 @@ def main():
     loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
     local = sorted(n for n, _ in model.local_named_parameters())
     report("trained", rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(), param_rel_err=worst,
-           loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses)
+           loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses,
+           output_backwards=model._runtime.output_backwards)
 
 
 if __name__ == "__main__":

@@ -337,7 +337,10 @@ class DistributedModel(nn.Module):
                     for child in children[i:j]:
                         x = child(x)
                 else:
-                    x = runtime.call_remote(owners[i], path, (i, j), (x,), {})
+                    # The root's last children, when remote, produce the model's output itself:
+                    # their owner may start the backward from its own copy of the loss.
+                    x = runtime.call_remote(owners[i], path, (i, j), (x,), {},
+                                            produces_output=(path == "" and j == len(children)))
                 i = j
             return x
 

@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from smdistributed.common import config
+
 from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
 from .wire import Links, Message, encode, take
 from .timeline import Timeline
@@ -47,6 +49,7 @@ class RemoteCall:
     what: str
     inputs: List[torch.Tensor]      # the caller's tensors that need a gradient back
     outputs: List[torch.Tensor]     # leaves standing for the owner's outputs
+    owner_starts_backward: bool = False  # the owner computed the loss itself (see call_remote)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class Task:
     calls: List[RemoteCall] = field(default_factory=list)
     model_calls: int = 0
     reached_backward: bool = False
+    output_producer: Optional[int] = None  # the rank that keeps this model call's output (call_remote)
 
 
 @dataclass
@@ -92,6 +96,8 @@ class PipelineRuntime:
         # parameters this step (overlapping_allreduce starts the data-parallel reduction there).
         self.on_grads_final: Optional[Callable[[], None]] = None
         self._pool = WorkerPool(device)
+        self.output_backward = config.value("SMDDP_SMP_OUTPUT_BACKWARD") != "0"
+        self.output_backwards = 0  # microbatches whose backward this rank started from its own loss, ever
         self.timeline = Timeline(global_ranks[pp_rank])
         if self.timeline.enabled:
             links.timeline = self.timeline
@@ -110,6 +116,7 @@ class PipelineRuntime:
         self._flow = threading.Condition()
         self._started = 0
         self._first_computed = 0  # microbatches that have taken the compute token once
+        self._output_frames: Dict[int, Tuple[int, int]] = {}  # mb -> id of the served call that made its output
         self._finished = 0
         self._at_backward = 0
         self._serving_backward = 0
@@ -191,6 +198,14 @@ class PipelineRuntime:
                         StepFailed(self._describe(f"the step function of microbatch {mb} raised", e)))
         finally:
             _local.task = None
+            with self._lock:
+                unstarted = self._output_frames.pop(mb, None) is not None and self._error is None
+            if unstarted:  # the root waits for this rank's backward of the output: say why it never comes
+                self._abort(StepFailed(
+                    f"pipeline rank {self.pp_rank}: the step function of microbatch {mb} returned without "
+                    "calling model.backward here, but this rank holds the model's last layers and starts the "
+                    "backward from its own copy of the loss; call model.backward on every rank (or set "
+                    "SMDDP_SMP_OUTPUT_BACKWARD=0)"))
             with self._flow:
                 self._finished += 1
                 if not task.reached_backward:
@@ -263,8 +278,10 @@ class PipelineRuntime:
         k = task.model_calls
         task.model_calls += 1
         if self.pp_rank == self.root_owner:
+            task.output_producer = None
             out = self.root(*args, **kwargs)
-            self._without_token(lambda: self._send_all(Message("out", {"mb": task.mb, "k": k}, out)))
+            skip = task.output_producer  # it has the output already, with its graph
+            self._without_token(lambda: self._send_all(Message("out", {"mb": task.mb, "k": k}, out), skip=skip))
             return out
         return self._wait(("out", task.mb, k), f"the model output of microbatch {task.mb}")
 
@@ -278,7 +295,9 @@ class PipelineRuntime:
             with self._flow:
                 self._at_backward += 1
                 self._flow.notify_all()
-        if self.pp_rank != self.root_owner:
+        with self._lock:
+            produced = self._output_frames.pop(task.mb, None)
+        if self.pp_rank != self.root_owner and produced is None:
             return  # this rank's copy of the outputs has no graph: its part runs when asked
         task.phase = BACKWARD
         self._token.release()
@@ -291,6 +310,14 @@ class PipelineRuntime:
                         self._flow.wait(0.5)
         finally:
             self._token.acquire(self._prio(task), self._label(task))
+        seeds, seed_grads = self._seeds(tensors, grads)
+        if produced is not None:
+            self._backward_from_output(produced, seeds, seed_grads)
+            return
+        self._backward(task.calls, seeds, seed_grads)
+        task.calls = []
+
+    def _seeds(self, tensors, grads):
         seeds, seed_grads = [], []
         for t, g in zip(tensors, grads):
             if not isinstance(t, torch.Tensor) or not t.requires_grad:
@@ -301,22 +328,51 @@ class PipelineRuntime:
                 g = torch.ones_like(t)
             seeds.append(t)
             seed_grads.append(g * self.grad_scale if self.grad_scale != 1.0 else g)
-        self._backward(task.calls, seeds, seed_grads)
-        task.calls = []
+        return seeds, seed_grads
+
+    def _backward_from_output(self, call_id, seeds, seed_grads) -> None:
+        """This rank served the root's last children, so its copy of the model output carries
+        their graph, and its copy of the loss is the root's (every rank runs the step function on
+        the same output values). Backward starts here, as torch's last pipeline stage does it,
+        and the input gradients go to the caller unasked: no round trip through the root for the
+        gradient of the output."""
+        with self._lock:
+            frame = self._frames.pop(call_id)
+            self._serving_backward += 1
+        try:
+            self._backward(frame.calls, seeds, seed_grads)
+        finally:
+            with self._lock:
+                self._serving_backward -= 1
+                self.output_backwards += 1
+        in_grads = [t.grad for t in frame.inputs]
+        caller = call_id[0]
+        self._without_token(lambda: self.links.send(caller, Message("bwd_done", {"id": call_id}, in_grads)))
+        self._check_grads_final()
 
     def _backward(self, calls: List[RemoteCall], seeds, seed_grads) -> None:
         if seeds:
             torch.autograd.backward(seeds, seed_grads, retain_graph=bool(calls))
         for call in reversed(calls):
-            grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in call.outputs]
-            in_grads = self._request(call.owner, Message("bwd", {"id": call.call_id, "mb": current_task().mb}, grads),
-                                     ("bwd_done", call.call_id), f"the backward of {call.what}")
+            if call.owner_starts_backward:
+                in_grads = self._wait(("bwd_done", call.call_id), f"the backward of {call.what} on partition "
+                                      f"{call.owner} (started there from its copy of the loss)")
+            else:
+                grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in call.outputs]
+                in_grads = self._request(call.owner, Message("bwd", {"id": call.call_id, "mb": current_task().mb},
+                                                             grads),
+                                         ("bwd_done", call.call_id), f"the backward of {call.what}")
             pairs = [(t, g) for t, g in zip(call.inputs, in_grads) if g is not None]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], retain_graph=True)
 
     # -- remote calls ---------------------------------------------------------------------------
-    def call_remote(self, owner: int, path: str, span: Optional[Tuple[int, int]], args, kwargs):
+    def call_remote(self, owner: int, path: str, span: Optional[Tuple[int, int]], args, kwargs,
+                    produces_output: bool = False):
+        """`produces_output`: the call's result is the root's output (the root Sequential's last
+        children). For the step's first model call with gradients, the owner then keeps its
+        result (with its graph) as its own copy of the model output and starts the backward from
+        its own loss; the root waits for the input gradients instead of sending the output's."""
         task = current_task()
         if task is None:
             where = f"module '{path or '<root>'}'"
@@ -324,8 +380,12 @@ class PipelineRuntime:
                                "smp.step function")
         call_id = (self.pp_rank, next(self._ids))
         what = f"module '{path or '<root>'}'" + (f" children {span[0]}..{span[1] - 1}" if span else "")
+        owner_starts = (produces_output and self.output_backward and task.kind == "step" and
+                        task.model_calls == 1 and torch.is_grad_enabled())
+        if owner_starts:
+            task.output_producer = owner
         msg = Message("fwd", {"id": call_id, "mb": task.mb, "path": path, "span": span,
-                              "grad": torch.is_grad_enabled()}, (args, kwargs))
+                              "grad": torch.is_grad_enabled(), "output": owner_starts}, (args, kwargs))
         waiter = self._expect(("fwd_done", call_id), f"the forward of {what} on partition {owner}")
         sent = self._without_token(lambda: self.links.send(owner, msg))
         out, tensors, specs = self._wait_on(waiter)
@@ -336,7 +396,7 @@ class PipelineRuntime:
                 t.requires_grad_(True)
                 leaves.append(t)
         if leaves:
-            task.calls.append(RemoteCall(call_id, owner, what, inputs, leaves))
+            task.calls.append(RemoteCall(call_id, owner, what, inputs, leaves, owner_starts))
         return out
 
     def _request(self, owner: int, msg: Message, key, what: str):
@@ -417,12 +477,14 @@ class PipelineRuntime:
                 self._token.acquire(self._prio(task), self._label(task))
                 try:
                     if msg.kind == "fwd":
-                        meta, out = self._serve_forward(f, msg.body, tensors, specs, task)
+                        meta, out, local = self._serve_forward(f, msg.body, tensors, specs, task)
                     else:
-                        meta, out = encode(self._serve_backward(f, msg.body))[:2]
+                        (meta, out), local = encode(self._serve_backward(f, msg.body))[:2], None
                 finally:
                     self._token.release()
             self.links.send_encoded(src, meta, out)
+            if local is not None:  # this rank's own copy of the model output, with its graph
+                self._deliver(("out", f["mb"], 0), (local, [], [], None))
         except BaseException as e:
             what = f"module '{f.get('path') or '<root>'}'" if msg.kind == "fwd" else "a backward"
             self._abort(e if isinstance(e, StepFailed) else StepFailed(self._describe(
@@ -447,10 +509,17 @@ class PipelineRuntime:
                     out = child(out)
         meta, out_tensors, _ = encode(Message("fwd_done", {"id": f["id"]}, out))
         outputs = [t for t in out_tensors if t.requires_grad]
+        local = out if f.get("output") else None  # the caller sends this rank no copy of it
         if outputs:  # stored before the reply goes: the caller's backward may follow at once
             with self._lock:
                 self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls)
-        return meta, out_tensors
+                if local is not None:
+                    self._output_frames[f["mb"]] = f["id"]
+        if local is not None:
+            # The step function here may change its output in place while the reply is still
+            # being sent: the reply carries copies.
+            out_tensors = [t.detach().clone() for t in out_tensors]
+        return meta, out_tensors, local
 
     def _serve_backward(self, f, grads) -> Message:
         with self._lock:
@@ -492,7 +561,7 @@ class PipelineRuntime:
                     except BaseException:
                         pass  # that peer is gone: its own link failure ends its step
 
-    def _send_all(self, msg: Message) -> None:
+    def _send_all(self, msg: Message, skip: Optional[int] = None) -> None:
         for p in range(self.pp_size):
-            if p != self.pp_rank:
+            if p != self.pp_rank and p != skip:
                 self.links.send(p, msg)

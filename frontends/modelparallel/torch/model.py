@@ -334,7 +334,9 @@ class DistributedModel(nn.Module):
                 while j < len(children) and owners[j] == owners[i]:
                     j += 1
                 if owners[i] == me:
-                    for child in children[i:j]:
+                    for n, child in enumerate(children[i:j]):
+                        if n:
+                            runtime.yield_to_older_work()
                         x = child(x)
                 else:
                     # The root's last children, when remote, produce the model's output itself:

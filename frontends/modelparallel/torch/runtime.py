@@ -418,6 +418,17 @@ class PipelineRuntime:
         body, _, _ = self._wait_on(self._expect(key, what))
         return body
 
+    def yield_to_older_work(self) -> None:
+        """Between the layers of a long local run: the holder steps aside when an older
+        microbatch's work waits (its backward, under "interleaved"), instead of making it wait
+        for the whole run."""
+        task = current_task()
+        # Forward only: a recomputation inside backward (activation checkpointing) must not block.
+        if task is None or task.phase != FORWARD or not self._token.older_work_waits(self._prio(task)):
+            return
+        self._token.release()
+        self._token.acquire(self._prio(task), self._label(task))
+
     def _without_token(self, fn):
         """Sends can wait on the network: other work of this rank runs meanwhile."""
         task = current_task()
@@ -505,7 +516,9 @@ class PipelineRuntime:
                 out = module(*args, **kwargs)
             else:
                 out = args[0]
-                for child in list(module)[f["span"][0]:f["span"][1]]:
+                for n, child in enumerate(list(module)[f["span"][0]:f["span"][1]]):
+                    if n:
+                        self.yield_to_older_work()
                     out = child(out)
         meta, out_tensors, _ = encode(Message("fwd_done", {"id": f["id"]}, out))
         outputs = [t for t in out_tensors if t.requires_grad]

@@ -67,6 +67,11 @@ class ComputeToken:
             self._holder = threading.get_ident()
             self._since, self._label = time.perf_counter(), label
 
+    def older_work_waits(self, prio) -> bool:
+        """Whether a task of smaller priority (older work) waits for the token."""
+        with self._cv:
+            return bool(self._queue) and self._queue[0][0] < prio
+
     def release(self) -> None:
         with self._cv:
             if self._holder == threading.get_ident():

@@ -152,12 +152,30 @@ def quiet_links():
 
 def backward_on_one_rank():
     """The last stage starts the backward from its own loss (a Sequential root whose last
-    children live on partition 1): a step function that calls model.backward on rank 0 only
-    gets an error naming the requirement on both ranks, not a hang."""
+    children live on partition 1): an evaluation step without backward still works, and a step
+    function that calls model.backward on rank 0 only gets an error naming the requirement on
+    both ranks, not a hang."""
     smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
     with smp.partition(1):
         head = nn.Linear(8, 2)
     model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), head))
+
+    # An evaluation step with gradients enabled and no backward anywhere works (the last
+    # stage's kept output is dropped), and so does training afterwards.
+    @smp.step
+    def eval_step(model, x, y):
+        return F.cross_entropy(model(x), y)
+
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+    assert torch.isfinite(eval_step(model, x, y).reduce_mean())
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    assert torch.isfinite(train_step(model, x, y).reduce_mean())
 
     @smp.step
     def rank0_backward(model, x, y):

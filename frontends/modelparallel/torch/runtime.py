@@ -199,13 +199,14 @@ class PipelineRuntime:
         finally:
             _local.task = None
             with self._lock:
-                unstarted = self._output_frames.pop(mb, None) is not None and self._error is None
-            if unstarted:  # the root waits for this rank's backward of the output: say why it never comes
-                self._abort(StepFailed(
-                    f"pipeline rank {self.pp_rank}: the step function of microbatch {mb} returned without "
-                    "calling model.backward here, but this rank holds the model's last layers and starts the "
-                    "backward from its own copy of the loss; call model.backward on every rank (or set "
-                    "SMDDP_SMP_OUTPUT_BACKWARD=0)"))
+                unstarted = self._output_frames.pop(mb, None)
+            if unstarted is not None and self._error is None:
+                # No backward here (an evaluation step, say): the caller gets an empty answer,
+                # an error only if it does wait for this backward (backward on some ranks only).
+                try:
+                    self.links.send(unstarted[0], Message("bwd_done", {"id": unstarted}, None))
+                except BaseException as e:
+                    self._abort(StepFailed(self._describe("sending a skipped backward", e)))
             with self._flow:
                 self._finished += 1
                 if not task.reached_backward:
@@ -357,6 +358,12 @@ class PipelineRuntime:
             if call.owner_starts_backward:
                 in_grads = self._wait(("bwd_done", call.call_id), f"the backward of {call.what} on partition "
                                       f"{call.owner} (started there from its copy of the loss)")
+                if in_grads is None:
+                    raise StepFailed(
+                        f"pipeline rank {call.owner} returned from the step function of microbatch "
+                        f"{current_task().mb} without calling model.backward, but it holds the model's last "
+                        "layers and starts the backward from its own copy of the loss; call model.backward "
+                        "on every rank (or set SMDDP_SMP_OUTPUT_BACKWARD=0)")
             else:
                 grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in call.outputs]
                 in_grads = self._request(call.owner, Message("bwd", {"id": call.call_id, "mb": current_task().mb},

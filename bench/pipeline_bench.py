@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 import smdistributed.modelparallel.torch as smp
+from pipeline_model import encoder_layers, loss_fn, smp_train_step
 
 p = argparse.ArgumentParser()
 p.add_argument("--device", default="cuda")
@@ -47,12 +48,7 @@ DTYPE = torch.float32 if args.device == "cpu" else torch.bfloat16
 
 
 def layers(n):
-    torch.manual_seed(0)
-    return [torch.nn.TransformerEncoderLayer(D, H, F, batch_first=True, dropout=0.0) for _ in range(n)]
-
-
-def loss_fn(out, target):
-    return (out.float() - target.float()).pow(2).mean()
+    return encoder_layers(n, D, H, F)
 
 
 def sync():
@@ -158,13 +154,7 @@ def main():
         model = smp.DistributedModel(torch.nn.Sequential(*layers(L)).to(DTYPE),
                                      trace_device="gpu" if args.device == "cuda" else "cpu")
         opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-
-        @smp.step
-        def train_step(model, x, y):
-            loss = loss_fn(model(x), y)
-            model.backward(loss)
-            return loss
-
+        train_step = smp_train_step(smp)
         base = smp._state.cfg
         for suffix in ("", "_ckpt") if args.act_ckpt else ("",):
             if suffix:  # every encoder layer keeps only its input; activations recomputed in backward

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import smdistributed.modelparallel.torch as smp
+from pipeline_model import encoder_layers, loss_fn, smp_train_step
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--micro", type=int, default=4)
@@ -30,16 +31,7 @@ ap.add_argument("--switch-interval", type=float, default=None)
 args = ap.parse_args()
 if args.switch_interval is not None:
     sys.setswitchinterval(args.switch_interval)
-D, H, F, L, B, S = 1024, 16, 4096, 16, 64, 256
-
-
-def layers(n):
-    torch.manual_seed(0)
-    return [torch.nn.TransformerEncoderLayer(D, H, F, batch_first=True, dropout=0.0) for _ in range(n)]
-
-
-def loss_fn(out, target):
-    return (out.float() - target.float()).pow(2).mean()
+D, L, B, S = 1024, 16, 64, 256
 
 
 def measure(name, step, rank, barrier):
@@ -100,7 +92,7 @@ def main():
     if "torch_1f1b" in args.only:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        part = torch.nn.Sequential(*layers(L)[rank * L // 2:(rank + 1) * L // 2]).to(dev, torch.bfloat16)
+        part = torch.nn.Sequential(*encoder_layers(L)[rank * L // 2:(rank + 1) * L // 2]).to(dev, torch.bfloat16)
         sched = Schedule1F1B(PipelineStage(part, rank, 2, dev, group=nccl), n_microbatches=m, loss_fn=loss_fn)
         opt = torch.optim.SGD(part.parameters(), lr=1e-3)
 
@@ -111,15 +103,9 @@ def main():
 
         measure(f"torch_1f1b_m{m}", torch_step, rank, barrier)
         del part, sched, opt
-    model = smp.DistributedModel(torch.nn.Sequential(*layers(L)).to(torch.bfloat16), trace_device="gpu")
+    model = smp.DistributedModel(torch.nn.Sequential(*encoder_layers(L)).to(torch.bfloat16), trace_device="gpu")
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn(model(x), y)
-        model.backward(loss)
-        return loss
-
+    train_step = smp_train_step(smp)
     base = smp._state.cfg
     for pipeline in ("interleaved", "simple"):
         if f"smp_{pipeline}" not in args.only:

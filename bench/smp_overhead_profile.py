@@ -21,6 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import smdistributed.modelparallel.torch as smp
+from pipeline_model import encoder_layers, loss_fn, smp_train_step
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--micro", type=int, default=1)
@@ -42,25 +43,18 @@ D, H, F, L, B, S = 1024, 16, 4096, 16, 64, 256
 
 
 def layers():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(D, H, F, batch_first=True, dropout=0.0)
-                                 for _ in range(L)])
+    return torch.nn.Sequential(*encoder_layers(L, D, H, F))
 
 
 x = torch.randn(B, S, D, device=dev, dtype=torch.bfloat16)
 y = torch.randn(B, S, D, device=dev, dtype=torch.bfloat16)
-loss_fn = lambda out, t: (out.float() - t.float()).pow(2).mean()  # noqa: E731
 plain = layers().to(dev, torch.bfloat16)
 plain_opt = torch.optim.SGD(plain.parameters(), lr=1e-3)
 model = smp.DistributedModel(layers().to(torch.bfloat16))
 opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
 
 
-@smp.step
-def train_step(model, x, y):
-    loss = loss_fn(model(x), y)
-    model.backward(loss)
-    return loss
+train_step = smp_train_step(smp)
 
 
 def plain_step():

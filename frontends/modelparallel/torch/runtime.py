@@ -337,16 +337,9 @@ class PipelineRuntime:
         the same output values). Backward starts here, as torch's last pipeline stage does it,
         and the input gradients go to the caller unasked: no round trip through the root for the
         gradient of the output."""
+        in_grads = self._frame_backward(call_id, seeds, seed_grads)
         with self._lock:
-            frame = self._frames.pop(call_id)
-            self._serving_backward += 1
-        try:
-            self._backward(frame.calls, seeds, seed_grads)
-        finally:
-            with self._lock:
-                self._serving_backward -= 1
-                self.output_backwards += 1
-        in_grads = [t.grad for t in frame.inputs]
+            self.output_backwards += 1
         caller = call_id[0]
         self._without_token(lambda: self.links.send(caller, Message("bwd_done", {"id": call_id}, in_grads)))
         self._check_grads_final()
@@ -542,17 +535,23 @@ class PipelineRuntime:
         return meta, out_tensors, local
 
     def _serve_backward(self, f, grads) -> Message:
+        in_grads = self._frame_backward(f["id"], None, list(grads))
+        self._check_grads_final()
+        return Message("bwd_done", {"id": f["id"]}, in_grads)
+
+    def _frame_backward(self, call_id, seeds, seed_grads) -> List[Optional[torch.Tensor]]:
+        """The backward of a call this rank served, from `seeds` (None: the call's outputs);
+        returns the gradients of the call's inputs. Counted as serving a backward meanwhile, so
+        this rank's gradients are not taken for final."""
         with self._lock:
-            frame = self._frames.pop(f["id"])
+            frame = self._frames.pop(call_id)
             self._serving_backward += 1
         try:
-            self._backward(frame.calls, frame.outputs, list(grads))
+            self._backward(frame.calls, frame.outputs if seeds is None else seeds, seed_grads)
         finally:
             with self._lock:
                 self._serving_backward -= 1
-        self._check_grads_final()
-        in_grads = [t.grad for t in frame.inputs]
-        return Message("bwd_done", {"id": f["id"]}, in_grads)
+        return [t.grad for t in frame.inputs]
 
     # -- failure ----------------------------------------------------------------------------------
     def _describe(self, what: str, e: BaseException) -> str:

@@ -233,7 +233,26 @@ std::string Engine::abort_message() {
   return abort_message_;
 }
 
+void Engine::fail_with_received_errors() {
+  // Rank 0's error responses wait here for a hit cycle that a stopped rank may never finish
+  // (it stopped while listing): the decided error names the culprit, a closed connection
+  // from ranks that raised it and left does not.
+  for (const auto& m : waiting_responses_)
+    for (const auto& resp : m.responses) {
+      if (!resp.is_error) continue;
+      for (const auto& re : resp.entries) {
+        auto it = pending_.find(re.name);
+        if (it == pending_.end()) continue;
+        auto e = it->second;
+        pending_.erase(it);
+        complete(e, failure_text(*e, resp.error));
+      }
+    }
+  waiting_responses_.clear();
+}
+
 void Engine::fail_everything(const std::string& message, const std::string& abort_cause) {
+  fail_with_received_errors();
   std::vector<std::shared_ptr<Entry>> victims;
   {
     std::lock_guard<std::mutex> lock(mutex_);

@@ -156,6 +156,8 @@ class Engine {
 
   // Execution (engine_execute.cc).
   void execute(const Response& r);
+  static std::string failure_text(const Entry& e, const std::string& error);
+  void fail_with_received_errors();
   void execute_allreduce(const Response& r, std::vector<std::shared_ptr<Entry>>& entries);
   void execute_single(const Response& r, const std::shared_ptr<Entry>& e);
 

@@ -26,6 +26,13 @@ std::string algorithm_span_name(const char* algo) {
 }
 }  // namespace
 
+std::string Engine::failure_text(const Entry& e, const std::string& error) {
+  // A check-only entry stands for a CUDA call whose kind is in its name (gather and scatter
+  // are negotiated as broadcasts): the name alone says which call failed.
+  return (e.sig.check_only ? std::string() : std::string(op_type_name(e.sig.op)) + " ") + "'" + e.name +
+         "' failed: " + error;
+}
+
 void Engine::execute(const Response& r) {
   std::vector<std::shared_ptr<Entry>> entries;
   for (const auto& re : r.entries) {
@@ -46,11 +53,7 @@ void Engine::execute(const Response& r) {
     if (!r.is_error && !coordinator_) replica_.learn(re.cache_id, re.name, e->sig);
   }
   if (r.is_error) {
-    // A check-only entry stands for a CUDA call whose kind is in its name (gather and scatter
-    // are negotiated as broadcasts): the name alone says which call failed.
-    for (auto& e : entries)
-      complete(e, (e->sig.check_only ? std::string() : std::string(op_type_name(e->sig.op)) + " ") + "'" + e->name +
-                      "' failed: " + r.error);
+    for (auto& e : entries) complete(e, failure_text(*e, r.error));
     return;
   }
   if (r.sig.check_only) {  // every rank agreed; the data moves elsewhere (NCCL)

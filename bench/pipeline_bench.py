@@ -11,11 +11,22 @@ Model (GPU): 16 TransformerEncoderLayers (width 1024, 16 heads, ffn 4096), bf16 
 batch 64 x 256, loss = mean square of the output, SGD; split 8 + 8 (the anchor's setup).
 Prints one 'RESULT {json}' line on rank 0: step time, samples/s, speedup over one device
 (ideal P*m/(m+P-1)), idle fraction 1 - speedup/P (bubble plus overheads), peak memory per rank.
+
+Peak memory: on GPUs, torch's max_memory_allocated over the timed steps. On CPUs (`--memory`),
+the most a step adds to the process's resident memory (sampled every 0.5 ms over two extra,
+untimed steps, from just before the step): activations, gradients and transfers. Run it with
+MALLOC_MMAP_THRESHOLD_=131072 so that freed tensors go back to the system (glibc otherwise
+raises the threshold and keeps them), or the figure is the allocator's high-water mark.
+
+`--active 2,4` also times smp "interleaved" with those `active_microbatches` (suffix _a2, _a4);
+the default is the original's, partitions + 2; `partitions` holds as many microbatches in
+flight on the first stage as torch's 1F1B.
 """
 import argparse
 import dataclasses
 import json
 import os
+import threading
 import time
 
 import torch
@@ -37,6 +48,8 @@ p.add_argument("--only", default="single,torch,smp")
 p.add_argument("--pipelines", default="simple,interleaved")
 p.add_argument("--act-ckpt", action="store_true",
                help="also time smp with every layer under smp.set_activation_checkpointing (suffix _ckpt)")
+p.add_argument("--active", default="", help="also time smp interleaved with these active_microbatches")
+p.add_argument("--memory", action="store_true", help="CPU: sample each step's peak resident memory (see above)")
 p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
 args = p.parse_args()
 if args.switch_interval is not None:
@@ -63,6 +76,34 @@ def peak_reset():
 
 def peak_gb():
     return torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
+
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def step_rss_peak_gb(step, rank_sync, steps=2):
+    """The most one step adds to resident memory (CPU runs; see the module's doc)."""
+    worst = 0
+    for _ in range(steps):
+        rank_sync()
+        base = rss_bytes()
+        high = [base]
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                high[0] = max(high[0], rss_bytes())
+                time.sleep(0.0005)
+
+        t = threading.Thread(target=sample, daemon=True)
+        t.start()
+        step()
+        done.set()
+        t.join()
+        worst = max(worst, high[0] - base)
+    return worst / 2**30
 
 
 def timed(step, rank_sync):
@@ -104,8 +145,11 @@ def main():
         if rank == 0:
             print(name, json.dumps(entry), flush=True)
 
-    def all_peaks():
-        t = torch.tensor([peak_gb()], device=dev if args.device == "cuda" else "cpu")
+    def all_peaks(step=None):
+        value = peak_gb()
+        if args.device == "cpu" and args.memory and step is not None:
+            value = step_rss_peak_gb(step, barrier)
+        t = torch.tensor([value], device=dev if args.device == "cuda" else "cpu")
         ts = [torch.zeros_like(t) for _ in range(world)]
         dist.all_gather(ts, t, group=peer_group)
         return [v.item() for v in ts]
@@ -147,7 +191,7 @@ def main():
                     opt.step()
 
                 t = timed(step, barrier)
-                record(f"{name}_m{m}", t, m, all_peaks())
+                record(f"{name}_m{m}", t, m, all_peaks(step))
                 del part, stage, sched, opt
 
     if "smp" in args.only:
@@ -159,9 +203,12 @@ def main():
         for suffix in ("", "_ckpt") if args.act_ckpt else ("",):
             if suffix:  # every encoder layer keeps only its input; activations recomputed in backward
                 smp.set_activation_checkpointing(model.module, strategy="each")
-            for pipeline in args.pipelines.split(","):
+            runs = [(pipeline, None) for pipeline in args.pipelines.split(",")]
+            runs += [("interleaved", int(a)) for a in args.active.split(",") if a]
+            for pipeline, active in runs:
                 for m in micro:
-                    smp._state.cfg = dataclasses.replace(base, microbatches=m, pipeline=pipeline)
+                    smp._state.cfg = dataclasses.replace(base, microbatches=m, pipeline=pipeline,
+                                                         active_microbatches=active or base.active_microbatches)
                     peak_reset()
 
                     def step():
@@ -170,10 +217,14 @@ def main():
                         opt.step()
 
                     t = timed(step, barrier)
-                    record(f"smp_{pipeline}_m{m}{suffix}", t, m, all_peaks())
+                    name = f"smp_{pipeline}_m{m}" + (f"_a{active}" if active else "") + suffix
+                    record(name, t, m, all_peaks(step))
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":
     main()
+    # Torch's Gloo groups left to interpreter exit can abort it (a Gloo thread frees a work
+    # holding Python tensors during finalization): end them first.
+    torch.distributed.destroy_process_group()

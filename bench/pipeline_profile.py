@@ -122,3 +122,6 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # Torch's Gloo groups left to interpreter exit can abort it (a Gloo thread frees a work
+    # holding Python tensors during finalization): end them first.
+    torch.distributed.destroy_process_group()

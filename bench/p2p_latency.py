@@ -4,7 +4,9 @@ thread beside the receiver, as a pipeline stage has:
     torchrun --nproc_per_node 2 bench/p2p_latency.py [--busy none|one|both] [--switch-interval S]
 
 Rank 0 and rank 1 ping-pong a 4 KiB and a 64 KiB tensor (dist.send / dist.recv, 200 round
-trips after 20 warm-up ones); rank 0 prints the one-way latency. --busy starts a Python
+trips after 20 warm-up ones), then rank 0 streams 2000 of them to rank 1; rank 0 prints the
+one-way latency and the time per streamed message. SMDDP_TORCH_BACKEND=python runs the Python
+process group instead of the native Backend, for comparison. --busy starts a Python
 thread doing small matmuls on rank 1 (one) or on both ranks (both).
 """
 import argparse
@@ -53,8 +55,19 @@ for size in (4096, 65536):
     t0 = time.perf_counter()
     for _ in range(200):
         round_trip()
+    one_way = (time.perf_counter() - t0) / 400
+    # Streaming: rank 0 sends 2000 messages back to back, rank 1 receives them (a stage's
+    # stream of headers and activations): the time per message.
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        if rank == 0:
+            dist.send(t, 1)
+        else:
+            dist.recv(t, 0)
+    per_message = (time.perf_counter() - t0) / 2000
     if rank == 0:
         print(f"busy {args.busy}, switch interval {sys.getswitchinterval() * 1e3:.1f} ms, {size} B: "
-              f"one-way {(time.perf_counter() - t0) / 400 * 1e6:.0f} us", flush=True)
+              f"one-way {one_way * 1e6:.1f} us, streamed {per_message * 1e6:.1f} us/message", flush=True)
 stop.set()
 dist.destroy_process_group()

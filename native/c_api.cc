@@ -76,6 +76,20 @@ uint64_t engine_submit(void* engine, const char* name, const smddp_signature* si
   });
 }
 
+uint64_t engine_p2p(void* engine, int32_t is_send, int32_t peer, int64_t tag, void* buf, size_t bytes, char* err,
+                    size_t err_len) {
+  return guarded<uint64_t>(err, err_len, 0,
+                           [&] { return engine_of(engine)->submit_p2p(is_send != 0, peer, tag, buf, bytes); });
+}
+
+int engine_wait_done(void* engine, uint64_t handle, double timeout_s) {
+  try {
+    return engine_of(engine)->wait_done(handle, timeout_s) ? 1 : 0;
+  } catch (...) {
+    return 1;  // nothing to wait for: the completion reports the failure
+  }
+}
+
 int engine_wait(void* engine, uint64_t handle, double timeout_s, char* err, size_t err_len) {
   return guarded<int>(err, err_len, 1, [&] {
     engine_of(engine)->wait(handle, timeout_s);
@@ -202,10 +216,14 @@ void event_release(void* event) { delete static_cast<std::shared_ptr<GpuEvent>*>
 
 const smddp_c_api* c_api() {
   static const smddp_c_api api = {
-      SMDDP_C_API_VERSION, sizeof(smddp_c_api),  engine_submit, engine_wait,   engine_watch,   engine_next_completions,
-      engine_counters,     nccl_allreduce_after, nccl_check,    nccl_wait_for, nccl_allgather, nccl_reduce_scatter,
-      nccl_broadcast,      nccl_record,          nccl_error,    nccl_stream,   event_block,    event_query,
-      event_synchronize,   event_release,
+      SMDDP_C_API_VERSION, sizeof(smddp_c_api),  engine_submit,
+      engine_wait,         engine_watch,         engine_next_completions,
+      engine_counters,     nccl_allreduce_after, nccl_check,
+      nccl_wait_for,       nccl_allgather,       nccl_reduce_scatter,
+      nccl_broadcast,      nccl_record,          nccl_error,
+      nccl_stream,         event_block,          event_query,
+      event_synchronize,   event_release,        engine_p2p,
+      engine_wait_done,
   };
   return &api;
 }

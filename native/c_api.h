@@ -78,6 +78,14 @@ typedef struct smddp_c_api {
   int (*event_query)(void* event);
   void (*event_synchronize)(void* event);
   void (*event_release)(void* event);
+
+  /* Point-to-point: a send (is_send 1) or receive of `bytes` at `buf` to or from group rank
+     `peer`, matched with the peer's call of the same tag in order; released by engine_wait. */
+  uint64_t (*engine_p2p)(void* engine, int32_t is_send, int32_t peer, int64_t tag, void* buf, size_t bytes, char* err,
+                         size_t err_len);
+  /* Waits until the operation is done, without releasing it (engine_wait does that): 1 once
+     done (or already released), 0 if timeout_s (>= 0) passed first. */
+  int (*engine_wait_done)(void* engine, uint64_t handle, double timeout_s);
 } smddp_c_api;
 
 #ifdef __cplusplus

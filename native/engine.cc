@@ -137,11 +137,8 @@ void Engine::complete(const std::shared_ptr<Entry>& e, const std::string& error)
   done_cv_.notify_all();
 }
 
-void Engine::wait(uint64_t handle, double timeout_s, bool keep) {
-  std::unique_lock<std::mutex> lock(mutex_);
-  auto it = handles_.find(handle);
-  if (it == handles_.end()) throw Error("unknown or already released handle " + std::to_string(handle));
-  auto e = it->second;
+bool Engine::wait_until_done(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Entry>& e, double timeout_s) {
+  if (timeout_s == 0) return e->done;  // a poll
   if (batch_depth_ > 0 && !e->done) {
     flush_batch_ = true;
     wake_engine();
@@ -157,9 +154,26 @@ void Engine::wait(uint64_t handle, double timeout_s, bool keep) {
   auto pred = [&] { return e->done; };
   if (timeout_s < 0) {
     done_cv_.wait(lock, pred);
-  } else if (!done_cv_.wait_for(lock, std::chrono::microseconds(int64_t(timeout_s * 1e6)), pred)) {
-    throw Error("wait on '" + e->name + "' timed out after " + std::to_string(timeout_s) + " s");
+    return true;
   }
+  return done_cv_.wait_for(lock, std::chrono::microseconds(int64_t(timeout_s * 1e6)), pred);
+}
+
+bool Engine::wait_done(uint64_t handle, double timeout_s) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) return true;
+  auto e = it->second;
+  return wait_until_done(lock, e, timeout_s);
+}
+
+void Engine::wait(uint64_t handle, double timeout_s, bool keep) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  auto it = handles_.find(handle);
+  if (it == handles_.end()) throw Error("unknown or already released handle " + std::to_string(handle));
+  auto e = it->second;
+  if (!wait_until_done(lock, e, timeout_s))
+    throw Error("wait on '" + e->name + "' timed out after " + std::to_string(timeout_s) + " s");
   std::string error = e->error;
   if (!keep || !error.empty()) handles_.erase(handle);
   if (!error.empty()) throw Error(error);

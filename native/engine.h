@@ -105,6 +105,9 @@ class Engine {
   // Blocks until done; throws Error with the failure's message. Releases the entry unless it
   // succeeded and `keep` asks to read its results first (then call release()).
   void wait(uint64_t handle, double timeout_s, bool keep = false);
+  // Whether the operation finished within timeout_s (< 0: no limit); it stays unreleased.
+  // An unknown handle counts as finished (it was released by whoever waited first).
+  bool wait_done(uint64_t handle, double timeout_s);
   // True once done (successfully or not); never blocks.
   bool poll(uint64_t handle);
   // After completion: rows received per rank, and the engine-owned output (if any).
@@ -135,6 +138,8 @@ class Engine {
   void fail_everything(const std::string& message, const std::string& abort_cause);
   void wake_engine();  // new work or shutdown: the background thread must look
   void complete(const std::shared_ptr<Entry>& e, const std::string& error);
+  // With mutex_ held (through `lock`): spins briefly, then sleeps until `e` is done.
+  bool wait_until_done(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Entry>& e, double timeout_s);
 
   // Negotiation (engine_negotiation.cc): announcements to the coordinator, which decides
   // (coordinator.h), hit cycles for cached collectives (hit_agreement.h), and running what

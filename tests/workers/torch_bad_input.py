@@ -55,6 +55,19 @@ def main():
     else:
         dist.all_gather_into_tensor(out, torch.ones(3))
     healthy(P)
+    # A receive smaller than the message sent to it: the receiver fails with both sizes (nothing
+    # written past its buffer); the matching send went out; the link keeps its order.
+    if me == 0:
+        dist.send(torch.ones(6), dst=1, tag=3)
+        dist.send(torch.full((4,), 7.0), dst=1, tag=4)
+    elif me == 1:
+        small = torch.zeros(6)
+        expect(lambda: dist.recv(small[:4], src=0, tag=3), "16 bytes", "rank 0 sent 24")
+        assert torch.equal(small[4:], torch.zeros(2)), small
+        nxt = torch.zeros(4)
+        dist.recv(nxt, src=0, tag=4)
+        assert torch.equal(nxt, torch.full((4,), 7.0)), nxt
+    healthy(P)
     print(f"rank {me}: TORCH BAD INPUT OK", flush=True)
     dist.destroy_process_group()
 

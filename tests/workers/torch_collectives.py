@@ -486,6 +486,38 @@ def gather_scatter_cases(P, me):
     return n
 
 
+def check_dropped_sends(P, me):
+    """isend of temporaries whose Works are dropped unwaited (a pipeline's fire-and-forget
+    sends): the buffers stay valid until sent, though the receiver posts its receives only
+    after the sender has dropped everything and reused the memory; every message arrives, in
+    order. Then a receive completed only by polling is_completed()."""
+    if torch.get_default_device().type != "cpu":
+        return  # CPU tensors: the engine's point-to-point path
+    store = dist.distributed_c10d._get_default_store()
+    nxt, prv = (me + 1) % P, (me - 1) % P
+    n, count = 300_000, 5
+    for k in range(count):
+        dist.isend(torch.full((n,), float(100 * me + k)), dst=nxt, tag=40)
+    junk = scribble()
+    store.set(f"test/dropped_sends/{me}", "1")
+    del junk
+    store.get(f"test/dropped_sends/{prv}")
+    for k in range(count):
+        got = torch.zeros(n)
+        dist.recv(got, src=prv, tag=40)
+        assert_same(got, torch.full((n,), float(100 * prv + k)), f"dropped isend {k} from rank {prv}")
+    dist.barrier()
+    got = torch.zeros(7)
+    work = dist.irecv(got, src=prv, tag=41)
+    dist.send(torch.full((7,), float(me)), dst=nxt, tag=41)
+    deadline = time.monotonic() + 30
+    while not work.is_completed():
+        assert time.monotonic() < deadline, "an irecv polled with is_completed() never completed"
+        time.sleep(0.001)
+    assert work.is_success()
+    assert_same(got, torch.full((7,), float(prv)), "irecv completed by polling")
+
+
 def send_recv_cases(P, me):
     n = 0
     for dtype in DTYPES:
@@ -493,7 +525,8 @@ def send_recv_cases(P, me):
         check_send_recv(P, me, dtype, blocking=False)
         n += 2
     check_batch_p2p(P, me)
-    return n + 1
+    check_dropped_sends(P, me)
+    return n + 2
 
 
 def barrier_and_misuse_cases(P, me):

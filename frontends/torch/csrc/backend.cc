@@ -188,7 +188,7 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::submit_cpu(c10d::OpType type, const
     }
     handles.push_back(h);
   }
-  auto work = c10::make_intrusive<CpuWork>(link, type, std::move(results), std::move(keep), handles.size());
+  auto work = c10::make_intrusive<CpuWork>(link, type, std::move(results), std::move(keep), handles);
   // Tracked even when a later submission failed: the engine still uses the earlier buffers.
   link->track(work, handles);
   if (ins.size() == 1 && !handles.empty()) {
@@ -406,13 +406,32 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::alltoall(std::vector<at::Tensor>& o
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::send(std::vector<at::Tensor>& tensors, int dst, int tag) {
+  if (tensors.size() == 1 && plain(tensors[0], c10::DeviceType::CPU))
+    return submit_cpu_p2p(c10d::OpType::SEND, tensors, dst, tag);
   for (const auto& t : tensors) p2p_may_be_held_ = p2p_may_be_held_ || t.is_cuda();
   return delegate("send", tensors, dst, tag);
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::recv(std::vector<at::Tensor>& tensors, int src, int tag) {
+  if (tensors.size() == 1 && plain(tensors[0], c10::DeviceType::CPU))
+    return submit_cpu_p2p(c10d::OpType::RECV, tensors, src, tag);
   for (const auto& t : tensors) p2p_may_be_held_ = p2p_may_be_held_ || t.is_cuda();
   return delegate("recv", tensors, src, tag);
+}
+
+c10::intrusive_ptr<c10d::Work> BackendSMDDP::submit_cpu_p2p(c10d::OpType type, std::vector<at::Tensor>& tensors,
+                                                            int peer, int tag) {
+  // A pipeline stage's messages: straight to the engine, no Python and no GIL (the Python
+  // process group's path, for other layouts, stages the tensor and copies back).
+  auto link = cpu();
+  at::Tensor& t = tensors[0];
+  ErrorText err;
+  uint64_t h = core().engine_p2p(link->engine(), type == c10d::OpType::SEND ? 1 : 0, peer, tag, t.data_ptr(),
+                                 t.nbytes(), err.text, sizeof(err.text));
+  TORCH_CHECK(h != 0, "smddp ", type == c10d::OpType::SEND ? "send" : "recv", ": ", err.text);
+  auto work = c10::make_intrusive<CpuWork>(link, type, tensors, tensors, std::vector<uint64_t>{h});
+  link->track(work, {h});
+  return work;
 }
 
 c10::intrusive_ptr<c10d::Work> BackendSMDDP::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {

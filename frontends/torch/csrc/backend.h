@@ -47,8 +47,16 @@ namespace __attribute__((visibility("hidden"))) smddp_torch {
     EngineLink(void* engine, py::object owner);
     ~EngineLink();
     void* engine() const { return engine_; }
-    // The Work is kept (with its buffers) until every handle has completed.
+    // The Work is kept (with its buffers) until every handle has completed. Nothing wakes the
+    // completion thread for it until watch(): a Work that is waited on completes on the
+    // waiting thread (woken by the engine), one never waited on within 0.2 s of the engine
+    // finishing it (the thread's sweep). A wake-up per operation cost send/recv 2x its latency.
     void track(const c10::intrusive_ptr<CpuWork>& work, const std::vector<uint64_t>& handles);
+    // The completion thread completes these as soon as the engine finishes them (futures).
+    void watch(const std::vector<uint64_t>& handles);
+    // Hands a finished operation's result to its Work now, from the calling thread, unless
+    // another thread already has (whichever comes first does it, once).
+    void finish(uint64_t handle) { on_completion(this, handle); }
     // Ends the completion thread once the engine has handed back every tracked operation.
     void stop();
     // At interpreter exit (atexit, before finalization): ends every link's thread now, failing
@@ -58,6 +66,8 @@ namespace __attribute__((visibility("hidden"))) smddp_torch {
 
    private:
     void run();
+    // Completes every unwatched operation that the engine has finished.
+    void sweep();
     static void on_completion(void* self, uint64_t handle);
 
     void* engine_;
@@ -65,7 +75,8 @@ namespace __attribute__((visibility("hidden"))) smddp_torch {
     std::mutex mutex_;
     std::unordered_map<uint64_t, c10::intrusive_ptr<CpuWork>> works_;
     std::atomic<bool> stop_{false};
-    std::atomic<bool> abandon_{false};  // exiting: do not wait for pending operations
+    std::atomic<bool> abandon_{false};    // exiting: do not wait for pending operations
+    std::atomic<uint64_t> completed_{0};  // by on_completion, from any thread
     std::thread thread_;
   };
 
@@ -73,20 +84,26 @@ namespace __attribute__((visibility("hidden"))) smddp_torch {
   class CpuWork : public c10d::Work {
    public:
     CpuWork(std::shared_ptr<EngineLink> link, c10d::OpType type, std::vector<at::Tensor> outputs,
-            std::vector<at::Tensor> keep, size_t handles);
+            std::vector<at::Tensor> keep, std::vector<uint64_t> handles);
     bool wait(std::chrono::milliseconds timeout) override;
     bool isCompleted() override;
     bool isSuccess() const override;
     std::exception_ptr exception() const override;
     std::vector<at::Tensor> result() override;
     c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
-    // From the completion thread: one handle finished (error empty on success).
+    // One handle finished (error empty on success); from whichever thread took its result.
     void handle_done(const std::string& error);
     // Waits until every handle finished, without raising its error (that is the Work's owner's).
     void wait_quietly();
+    bool watched() const { return watched_.load(); }
 
    private:
+    // Waits for the engine to finish every handle (seconds < 0: no limit; 0: a poll) and takes
+    // their results on this thread; whether all were finished in time.
+    bool take_results(double seconds);
     std::shared_ptr<EngineLink> link_;
+    const std::vector<uint64_t> handles_;
+    std::atomic<bool> watched_{false};
     std::vector<at::Tensor> outputs_;
     std::vector<at::Tensor> keep_;  // inputs and staging the engine reads or writes
     size_t remaining_;
@@ -226,6 +243,9 @@ namespace __attribute__((visibility("hidden"))) smddp_torch {
                                               const std::vector<smddp_signature>& sigs,
                                               const std::vector<std::vector<int64_t>>& per_rank,
                                               std::vector<at::Tensor> results, std::vector<at::Tensor> keep);
+    // send or recv of one contiguous CPU tensor, through the engine.
+    c10::intrusive_ptr<c10d::Work> submit_cpu_p2p(c10d::OpType type, std::vector<at::Tensor>& tensors, int peer,
+                                                  int tag);
     // One NCCL collective on the group's stream: the argument check, the wait for the caller's
     // stream, `enqueue` (returns 0 or fills the error), and the end event it returns.
     template <typename Enqueue>

@@ -75,11 +75,22 @@ void EngineLink::stop_all_at_exit() {
 }
 
 void EngineLink::track(const c10::intrusive_ptr<CpuWork>& work, const std::vector<uint64_t>& handles) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (uint64_t h : handles) works_[h] = work;
+}
+
+void EngineLink::watch(const std::vector<uint64_t>& handles) {
+  for (uint64_t h : handles) core().engine_watch(engine_, h);  // a released handle is ignored
+}
+
+void EngineLink::sweep() {
+  std::vector<uint64_t> done;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (uint64_t h : handles) works_[h] = work;
+    for (const auto& kv : works_)
+      if (!kv.second->watched() && core().engine_wait_done(engine_, kv.first, 0) == 1) done.push_back(kv.first);
   }
-  for (uint64_t h : handles) core().engine_watch(engine_, h);
+  for (uint64_t h : done) on_completion(this, h);
 }
 
 void EngineLink::on_completion(void* self, uint64_t handle) {
@@ -94,6 +105,7 @@ void EngineLink::on_completion(void* self, uint64_t handle) {
   }
   ErrorText err;
   int rc = core().engine_wait(link->engine_, handle, 0, err.text, sizeof(err.text));
+  link->completed_++;
   work->handle_done(rc == 0 ? std::string() : std::string(err.text));
 }
 
@@ -101,7 +113,10 @@ void EngineLink::run() {
   // Until stopped, and after that until the engine (shut down) has handed back every
   // operation it failed, so no Work waits forever.
   while (true) {
+    const uint64_t before = completed_.load();
     int closed = core().engine_next_completions(engine_, 0.2, &EngineLink::on_completion, this);
+    // A quiet round (or the end): Works nobody waits on or watches, dropped unfinished.
+    if (closed || completed_.load() == before) sweep();
     if (closed) break;
     if (stop_) {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -119,12 +134,13 @@ void EngineLink::run() {
 // -- CpuWork -------------------------------------------------------------------------------
 
 CpuWork::CpuWork(std::shared_ptr<EngineLink> link, c10d::OpType type, std::vector<at::Tensor> outputs,
-                 std::vector<at::Tensor> keep, size_t handles)
+                 std::vector<at::Tensor> keep, std::vector<uint64_t> handles)
     : c10d::Work(-1, type),
       link_(std::move(link)),
+      handles_(std::move(handles)),
       outputs_(std::move(outputs)),
       keep_(std::move(keep)),
-      remaining_(handles),
+      remaining_(handles_.size()),
       future_(tensor_list_future()) {
   if (remaining_ == 0) future_->markCompleted(c10::IValue(outputs_));
 }
@@ -147,7 +163,22 @@ void CpuWork::handle_done(const std::string& error) {
   }
 }
 
+bool CpuWork::take_results(double seconds) {
+  // Woken by the engine itself: through the completion thread it would be a second wake-up
+  // per operation (measured on send/recv: 2x the latency).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(seconds, 0.0));
+  for (uint64_t h : handles_) {
+    double left = -1.0;
+    if (seconds >= 0)
+      left = std::max(0.0, std::chrono::duration<double>(deadline - std::chrono::steady_clock::now()).count());
+    if (core().engine_wait_done(link_->engine(), h, left) != 1) return false;
+  }
+  for (uint64_t h : handles_) link_->finish(h);
+  return true;
+}
+
 bool CpuWork::wait(std::chrono::milliseconds timeout) {
+  take_results(timeout == ::kNoTimeout ? -1.0 : timeout.count() / 1000.0);
   std::unique_lock<std::mutex> lock(mutex_);
   if (timeout == ::kNoTimeout) {
     cv_.wait(lock, [&] { return remaining_ == 0; });
@@ -159,11 +190,17 @@ bool CpuWork::wait(std::chrono::milliseconds timeout) {
 }
 
 void CpuWork::wait_quietly() {
+  take_results(-1.0);
   std::unique_lock<std::mutex> lock(mutex_);
   cv_.wait(lock, [&] { return remaining_ == 0; });
 }
 
 bool CpuWork::isCompleted() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (remaining_ == 0) return true;
+  }
+  take_results(0.0);
   std::lock_guard<std::mutex> lock(mutex_);
   return remaining_ == 0;
 }
@@ -183,7 +220,11 @@ std::vector<at::Tensor> CpuWork::result() {
   return outputs_;
 }
 
-c10::intrusive_ptr<c10::ivalue::Future> CpuWork::getFuture() { return future_; }
+c10::intrusive_ptr<c10::ivalue::Future> CpuWork::getFuture() {
+  // Its callbacks (DDP's reducer) must run when the engine finishes, whether or not anyone waits.
+  if (!watched_.exchange(true)) link_->watch(handles_);
+  return future_;
+}
 
 // -- DelegatedWork -------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from typing import Callable, List, Optional
 
@@ -139,6 +140,9 @@ class SmddpWork(dist.Work):
 
     # -- torch's Work interface -------------------------------------------------------------
     def wait(self, timeout=None) -> bool:
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout or 0)
+        if seconds > 0:  # torch's default, 0, is no limit
+            self._wait_done(seconds)
         with self._lock:
             while self._pending:
                 self._complete_handle(self._pending.pop(0))
@@ -147,6 +151,18 @@ class SmddpWork(dist.Work):
         if self._error is not None:
             raise self._error
         return True
+
+    def _wait_done(self, seconds: float) -> None:
+        """Until the engine has finished every handle, or raises after `seconds` (the operation
+        stays posted: a later wait can still complete it)."""
+        deadline = time.monotonic() + seconds
+        while True:
+            with self._lock:  # the completion thread releases handles under it
+                if all(self._engine.poll(h) for h in self._pending):
+                    return
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"smddp: operation timed out after {int(seconds * 1000)} ms")
+            time.sleep(0.0005)
 
     def is_completed(self) -> bool:
         with self._lock:

@@ -5,6 +5,7 @@ get_future() (as DDP's communication hooks do), and by polling is_completed(); n
 tensors, a tensor on another device and unsupported dtypes. Reports one "checked" event per
 family of collectives (report.py), which the tests turn into one case each.
 """
+import datetime
 import sys
 import time
 import traceback
@@ -516,6 +517,16 @@ def check_dropped_sends(P, me):
         time.sleep(0.001)
     assert work.is_success()
     assert_same(got, torch.full((7,), float(prv)), "irecv completed by polling")
+    # wait(timeout) on a receive nobody has sent yet raises after about that long; the receive
+    # stays posted and completes once the message comes.
+    work = dist.irecv(got, src=prv, tag=42)
+    t0 = time.monotonic()
+    expect_raises(lambda: work.wait(datetime.timedelta(seconds=0.3)), RuntimeError, "timed out")
+    assert time.monotonic() - t0 < 2.0, "wait(timeout=0.3 s) took more than 2 s"
+    dist.barrier()
+    dist.send(torch.full((7,), float(-me)), dst=nxt, tag=42)
+    work.wait()
+    assert_same(got, torch.full((7,), float(-prv)), "irecv completed after a timed-out wait")
 
 
 def send_recv_cases(P, me):

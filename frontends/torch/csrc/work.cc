@@ -178,11 +178,12 @@ bool CpuWork::take_results(double seconds) {
 }
 
 bool CpuWork::wait(std::chrono::milliseconds timeout) {
-  take_results(timeout == ::kNoTimeout ? -1.0 : timeout.count() / 1000.0);
+  const bool finished = take_results(timeout == ::kNoTimeout ? -1.0 : timeout.count() / 1000.0);
   std::unique_lock<std::mutex> lock(mutex_);
-  if (timeout == ::kNoTimeout) {
+  if (finished || timeout == ::kNoTimeout) {
+    // Finished: a thread that took a result first may still be handing it over (a moment).
     cv_.wait(lock, [&] { return remaining_ == 0; });
-  } else if (!cv_.wait_for(lock, timeout, [&] { return remaining_ == 0; })) {
+  } else if (remaining_ != 0) {
     TORCH_CHECK(false, "smddp: operation timed out after ", timeout.count(), " ms");
   }
   if (!error_.empty()) TORCH_CHECK(false, error_);

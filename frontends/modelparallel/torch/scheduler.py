@@ -117,4 +117,7 @@ class Waiter:
                 raise err
         if self._error is not None:
             raise self._error
-        return self._value
+        # One consumer: the message's tensors (an output copy, input gradients) are not kept
+        # until the end of the step (the runtime keeps its waiters until then).
+        value, self._value = self._value, None
+        return value

@@ -209,6 +209,8 @@ PYBIND11_MODULE(_core, m) {
       .def("wait", &Engine::wait, py::arg("handle"), py::arg("timeout") = -1.0, py::arg("keep") = false,
            py::call_guard<py::gil_scoped_release>())
       .def("poll", &Engine::poll, py::arg("handle"))
+      .def("wait_done", &Engine::wait_done, py::arg("handle"), py::arg("timeout") = -1.0,
+           py::call_guard<py::gil_scoped_release>())
       .def("result_counts", &Engine::result_counts)
       .def("owned_output_bytes", &Engine::owned_output_bytes)
       .def("copy_owned_output",

@@ -156,13 +156,10 @@ class SmddpWork(dist.Work):
         """Until the engine has finished every handle, or raises after `seconds` (the operation
         stays posted: a later wait can still complete it)."""
         deadline = time.monotonic() + seconds
-        while True:
-            with self._lock:  # the completion thread releases handles under it
-                if all(self._engine.poll(h) for h in self._pending):
-                    return
-            if time.monotonic() >= deadline:
+        # A handle the completion thread has released meanwhile counts as finished.
+        for h in list(self._pending):
+            if not self._engine.wait_done(h, max(0.0, deadline - time.monotonic())):
                 raise RuntimeError(f"smddp: operation timed out after {int(seconds * 1000)} ms")
-            time.sleep(0.0005)
 
     def is_completed(self) -> bool:
         with self._lock:

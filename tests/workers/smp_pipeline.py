@@ -4,6 +4,7 @@ training the same model on the same batches. Prints one JSON line per rank.
 argv: model (seq | skip | tied | gpt), mode (auto | manual), pipeline (simple | interleaved), partitions,
 microbatches, steps.
 """
+import gc
 import os
 import sys
 
@@ -217,9 +218,22 @@ def main():
     worst = max(((full[k] - ref_sd[k]).abs().max() / (ref_sd[k].abs().max() + 1e-12)).item() for k in ref_sd)
     loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
     local = sorted(n for n, _ in model.local_named_parameters())
+    del loss_mb, loss  # the last step's StepOutput and loss, which this script held
     report("trained", rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(), param_rel_err=worst,
            loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses,
-           output_backwards=model._runtime.output_backwards)
+           output_backwards=model._runtime.output_backwards, kept_after_steps=step_tensors_alive())
+
+
+def step_tensors_alive():
+    """Tensors of a finished step that nothing of the user's holds (a microbatch's inputs,
+    outputs or gradients, with their autograd graphs): there must be none between steps."""
+    gc.collect()
+    kept = []
+    for o in gc.get_objects():
+        if isinstance(o, torch.Tensor) and not isinstance(o, nn.Parameter) and (
+                o.grad_fn is not None or o.requires_grad):
+            kept.append(f"{tuple(o.shape)} {type(o.grad_fn).__name__}")
+    return kept
 
 
 if __name__ == "__main__":

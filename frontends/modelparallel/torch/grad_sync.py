@@ -90,6 +90,7 @@ class _ReductionThread:
             except BaseException as e:  # handed to the caller
                 box["error"] = e
             done.set()
+            fn = box = done = None  # held until the next task otherwise (its buckets, its result)
 
 
 _reduction_thread = _ReductionThread()

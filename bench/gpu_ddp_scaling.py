@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import time
 from pathlib import Path
 
@@ -58,6 +60,9 @@ def loss_of(model, x):
 
 
 def run(model, params, x, steps=20, warmup=5):
+    """(wall seconds per step, host seconds per step): the host's figure is the time the loop
+    takes to issue the steps, before the final synchronize; equal to the wall time when the
+    host is what bounds the step, shorter when the GPU is."""
     opt = torch.optim.SGD(params, lr=1e-3)
     for i in range(steps + warmup):
         if i == warmup:
@@ -68,8 +73,10 @@ def run(model, params, x, steps=20, warmup=5):
             loss = loss_of(model, x)
         loss.backward()
         opt.step()
+    issued = time.perf_counter()
     torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / steps
+    end = time.perf_counter()
+    return (end - t0) / steps, (issued - t0) / steps
 
 
 def variants(nccl_group):
@@ -79,6 +86,27 @@ def variants(nccl_group):
     yield "torch DDP, smddp", lambda m: TorchDDP(m, device_ids=[m_dev(m)])
     yield "torch DDP, smddp, bucket view", lambda m: TorchDDP(m, device_ids=[m_dev(m)], gradient_as_bucket_view=True,
                                                               static_graph=True, bucket_cap_mb=100)
+    # Diagnostics (where the overlapped reduction's time goes): the reducer with no
+    # communication at all; every bucket held until the backward's last one, then all reduced;
+    # NCCL limited to a few SMs (SMDDP_NCCL_MAX_CTAS, read when a group makes its communicator).
+    yield "torch DDP, smddp, no checks", lambda m: TorchDDP(m, device_ids=[m_dev(m)],
+                                                            process_group=_smddp_group_with(SMDDP_CUDA_CHECKS="0"))
+    yield "torch DDP, smddp, no spinning", lambda m: TorchDDP(m, device_ids=[m_dev(m)],
+                                                              process_group=_smddp_group_with(SMDDP_SPIN_US="0"))
+    yield "torch DDP, nccl, bucket view", lambda m: TorchDDP(m, device_ids=[m_dev(m)], process_group=nccl_group,
+                                                             gradient_as_bucket_view=True, static_graph=True,
+                                                             bucket_cap_mb=100)
+    yield "torch DDP, smddp, no communication", lambda m: _with_hook(TorchDDP(m, device_ids=[m_dev(m)]), None,
+                                                                     _no_communication)
+    yield "torch DDP, smddp, reduce after backward", lambda m: _with_hook(
+        TorchDDP(m, device_ids=[m_dev(m)]), _Held(dist.group.WORLD), _reduce_after_backward)
+    yield "torch DDP, nccl, reduce after backward", lambda m: _with_hook(
+        TorchDDP(m, device_ids=[m_dev(m)], process_group=nccl_group), _Held(nccl_group), _reduce_after_backward)
+    for ctas in (2, 4, 8):
+        yield f"torch DDP, smddp, {ctas} CTAs", lambda m, c=ctas: TorchDDP(
+            m, device_ids=[m_dev(m)], process_group=_smddp_group_with(SMDDP_NCCL_MAX_CTAS=str(c)))
+        yield f"torch DDP, nccl, {ctas} CTAs", lambda m, c=ctas: TorchDDP(
+            m, device_ids=[m_dev(m)], process_group=_nccl_group_with_ctas(c))
     yield "FSDP2, nccl", lambda m: _fsdp(m, nccl_group)
     yield "FSDP2, smddp", lambda m: _fsdp(m, dist.group.WORLD)
     yield "smdistributed DDP", lambda m: SmddpDDP(m)
@@ -107,6 +135,52 @@ def _fsdp(model, group):
     return model
 
 
+def _smddp_group_with(**env):
+    """A new smddp group made (engine and communicator) under these environment settings."""
+    os.environ.update(env)
+    group = dist.new_group(backend="smddp")
+    dist.all_reduce(torch.zeros(1, device="cuda"), group=group)
+    for k in env:
+        del os.environ[k]
+    return group
+
+
+def _nccl_group_with_ctas(ctas):
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = ctas
+    return dist.new_group(backend="nccl", pg_options=options)
+
+
+def _with_hook(ddp, state, hook):
+    ddp.register_comm_hook(state, hook)
+    return ddp
+
+
+def _no_communication(state, bucket):
+    future = torch.futures.Future(devices=[bucket.buffer().device])
+    future.set_result(bucket.buffer())
+    return future
+
+
+class _Held:
+    def __init__(self, group):
+        self.group, self.buckets = group, []
+
+
+def _reduce_after_backward(state, bucket):
+    """Each bucket waits until DDP hands over the backward's last one; then all are reduced."""
+    buffer = bucket.buffer().div_(dist.get_world_size(state.group))
+    future = torch.futures.Future(devices=[buffer.device])
+    state.buckets.append((buffer, future))
+    if bucket.is_last():
+        works = [(dist.all_reduce(b, group=state.group, async_op=True), b, f) for b, f in state.buckets]
+        state.buckets = []
+        for work, b, f in works:
+            work.wait()  # the current stream waits for the reduction; the host does not
+            f.set_result(b)
+    return future
+
+
 def _hooked(ddp):
     ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
     return ddp
@@ -116,6 +190,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", default="", help="variant names to run, separated by semicolons")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--verbose", action="store_true", help="print every round's time per configuration")
     ap.add_argument("--tag", default="", help="suffix of the results file (a variant of the environment)")
     ap.add_argument("--model", default="anchor", choices=["anchor", "resnet50", "gpt2"],
                     help="anchor: the anchor transformer (batch 16x256); resnet50: torchvision, batch 64x224^2; "
@@ -137,20 +212,33 @@ def main():
         if not wanted or name in wanted:
             configs[name] = wrap(build(dev, args.model))
     best = {name: float("inf") for name in configs}
-    for _ in range(args.rounds):
+    host, per_round = {}, {name: [] for name in configs}
+    for r in range(args.rounds):
         for name, model in configs.items():
-            best[name] = min(best[name], run(model, model.parameters(), x))
+            wall, issued = run(model, model.parameters(), x)
+            per_round[name].append(wall)
+            if wall < best[name]:
+                best[name], host[name] = wall, issued
+            if rank == 0 and args.verbose:
+                print(f"round {r} {name:<40} {wall * 1e3:8.2f} ms/step, host {issued * 1e3:8.2f}", flush=True)
     slowest = torch.tensor([best[name] for name in configs], device=dev, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=nccl)  # each configuration's slowest rank
     steps = dict(zip(configs, slowest.tolist()))
     single = steps.pop("one GPU")
-    results = {name: dict(step_ms=s * 1e3, scaling_eff=single / s) for name, s in steps.items()}
+    # The host's speed drifts from round to round (up to +-25% on a shared GPU host), so each
+    # round's time is also compared with the one-GPU time of the same round (rank 0's).
+    paired = {name: statistics.median(o / t for o, t in zip(per_round["one GPU"], times))
+              for name, times in per_round.items()}
+    results = {name: dict(step_ms=s * 1e3, scaling_eff=single / s, rank0_host_ms=host[name] * 1e3,
+                          median_paired_eff=paired[name]) for name, s in steps.items()}
     if rank == 0:
         print(f"{args.model}, {params / 1e6:.0f}M parameters, {n} x {torch.cuda.get_device_name(0)}, "
               f"torch {torch.__version__}; one GPU: {single * 1e3:.2f} ms/step")
-        print(f"{'configuration':<40} {'step ms':>8} {'efficiency':>10}")
+        print(f"one GPU: host issues a step in {host['one GPU'] * 1e3:.2f} ms (rank 0)")
+        print(f"{'configuration':<40} {'step ms':>8} {'efficiency':>10} {'host ms':>8} {'paired eff':>10}")
         for name, r in results.items():
-            print(f"{name:<40} {r['step_ms']:>8.2f} {r['scaling_eff']:>10.3f}")
+            print(f"{name:<40} {r['step_ms']:>8.2f} {r['scaling_eff']:>10.3f} {r['rank0_host_ms']:>8.2f} "
+                  f"{r['median_paired_eff']:>10.3f}")
         RESULTS.mkdir(exist_ok=True)
         suffix = ("" if args.model == "anchor" else f"_{args.model}") + (f"_{args.tag}" if args.tag else "")
         out = RESULTS / f"gpu_ddp_scaling_{n}gpu{suffix}.json"

@@ -24,6 +24,7 @@ flight on the first stage as torch's 1F1B.
 """
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import threading
@@ -70,8 +71,16 @@ def sync():
 
 
 def peak_reset():
+    # Objects of the configurations timed before (torch's pipeline stages hold reference
+    # cycles) are collected first, so that a configuration's peak holds only its own memory.
+    gc.collect()
     if args.device == "cuda":
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        held_before[0] = torch.cuda.memory_allocated() / 2**30
+
+
+held_before = [0.0]  # GB allocated when the configuration started: its model, inputs, leftovers
 
 
 def peak_gb():
@@ -137,7 +146,10 @@ def main():
     single = None
 
     def record(name, t, m, peaks):
+        peaks, held = peaks
         entry = dict(step_ms=t * 1e3, samples_s=B / t, peak_gb=peaks)
+        if args.device == "cuda":
+            entry["held_before_gb"] = held
         if single:
             entry.update(speedup_vs_single=single / t, ideal=world * m / (m + world - 1),
                          idle_fraction=1 - single / t / world)
@@ -149,10 +161,10 @@ def main():
         value = peak_gb()
         if args.device == "cpu" and args.memory and step is not None:
             value = step_rss_peak_gb(step, barrier)
-        t = torch.tensor([value], device=dev if args.device == "cuda" else "cpu")
+        t = torch.tensor([value, held_before[0]], device=dev if args.device == "cuda" else "cpu")
         ts = [torch.zeros_like(t) for _ in range(world)]
         dist.all_gather(ts, t, group=peer_group)
-        return [v.item() for v in ts]
+        return [v[0].item() for v in ts], [v[1].item() for v in ts]
 
     if "single" in args.only:
         full = torch.nn.Sequential(*layers(L)).to(dev, DTYPE)

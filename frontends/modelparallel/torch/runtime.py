@@ -142,10 +142,15 @@ class PipelineRuntime:
         receivers = [self._spawn(self._receive_loop, p, name=f"smp-recv-{p}")
                      for p in range(self.pp_size) if p != self.pp_rank]
         workers = []
-        for mb, (args, kwargs) in enumerate(microbatches):
-            workers.append(self._spawn(self._run_microbatch, fn, mb, args, kwargs, results, grad_enabled,
-                                       name=f"smp-mb-{mb}"))
         try:
+            for mb, (args, kwargs) in enumerate(microbatches):
+                # The root admits a microbatch before it takes a thread: with "interleaved" at
+                # most `active_microbatches` microbatch threads exist at once, so at most that
+                # many threads run the root's forward and hold a cuBLAS workspace each.
+                if self.pp_rank == self.root_owner and not self._admitted(mb):
+                    break  # the step failed: what was started is joined below
+                workers.append(self._spawn(self._run_microbatch, fn, mb, args, kwargs, results, grad_enabled,
+                                           name=f"smp-mb-{mb}"))
             for t in workers:
                 self._join(t)
             if self.pp_rank != self.root_owner:
@@ -185,8 +190,6 @@ class PipelineRuntime:
     def _run_microbatch(self, fn, mb, args, kwargs, results, grad_enabled) -> None:
         _local.task = task = Task(mb, FORWARD)
         try:
-            if self.pp_rank == self.root_owner:
-                self._admit(mb)
             with torch.set_grad_enabled(grad_enabled), self._autocast_context():
                 self._acquire_in_order(task)
                 try:
@@ -243,17 +246,19 @@ class PipelineRuntime:
             self._grads_final_fired = True
         self.on_grads_final()
 
-    def _admit(self, mb: int) -> None:
-        """Microbatches start in order; interleaved: at most `active_microbatches` of them
+    def _admitted(self, mb: int) -> bool:
+        """Waits until microbatch `mb` may start (False: the step failed meanwhile).
+        Microbatches start in order; interleaved: at most `active_microbatches` of them
         between start and finish. (In order, or a later microbatch could take the last slot and
         then wait for an earlier one to compute first, which waits for the slot.)"""
         with self._flow:
             while self._started != mb or (self.pipeline == "interleaved" and
                                           self._started - self._finished >= self.active):
                 if self._error is not None:
-                    raise self._error
+                    return False
                 self._flow.wait(0.5)
             self._started += 1
+            return True
 
     @staticmethod
     def _label(task: Optional[Task]) -> str:

@@ -69,6 +69,7 @@ uint64_t Engine::submit(const std::string& name, const Signature& sig, const voi
     throw Error("tensor '" + name + "' was submitted again before its previous " + op_type_name(same->second) +
                 " completed; names must be unique among operations in flight");
   in_flight_names_.emplace(name, sig.op);
+  if (!sig.check_only) data_in_flight_++;
   e->handle = next_handle_++;
   handles_[e->handle] = e;
   incoming_.push_back(e);
@@ -113,6 +114,7 @@ uint64_t Engine::submit_p2p(bool is_send, int peer, int64_t tag, void* buf, size
   std::lock_guard<std::mutex> lock(mutex_);
   if (!abort_message_.empty()) throw Error(abort_message_);
   if (shut_down_) throw Error("the smddp engine was shut down");
+  data_in_flight_++;
   e->handle = next_handle_++;
   handles_[e->handle] = e;
   incoming_.push_back(e);
@@ -128,6 +130,10 @@ void Engine::complete(const std::shared_ptr<Entry>& e, const std::string& error)
     e->error = error;
     e->done = true;
     if (!e->is_p2p) in_flight_names_.erase(e->name);
+    if (!e->sig.check_only) {
+      data_in_flight_--;
+      last_data_done_us_ = now_us();
+    }
     if (e->notify_channel >= 0) {
       completions_[e->notify_channel].push_back(e->handle);
       completion_cv_.notify_all();
@@ -305,7 +311,8 @@ void Engine::loop() {
       continue;
     }
     int64_t idle_us = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - idle_since).count();
-    if (idle_us < config_.spin_us) {
+    const bool data_waits = data_in_flight_ > 0 || now_us() - last_data_done_us_ < config_.spin_us;
+    if (data_waits && idle_us < config_.spin_us) {
       sched_yield();
     } else if (bell) {
       // Time-bounded so stall checks and liveness checks still run.

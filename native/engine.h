@@ -197,6 +197,13 @@ class Engine {
   // Names of collectives submitted and not yet done (guarded by mutex_): a duplicate is refused
   // at submission without scanning every handle.
   std::unordered_map<std::string, OpType> in_flight_names_;
+  // Operations that move data here (not CUDA argument checks, whose data NCCL moves), in
+  // flight, and when the last of them finished: the background thread spins for the next
+  // message only while one is in flight or just finished. Checks arrive through a training
+  // step with nothing waiting on them, and spinning after each one took a core from the
+  // host thread issuing the step's GPU work.
+  std::atomic<int> data_in_flight_{0};
+  std::atomic<int64_t> last_data_done_us_{0};
   int batch_depth_ = 0;  // >0: incoming_ is held back (guarded by mutex_)
   // Someone waits on an operation a batch still holds: announce what it holds so far, or the
   // wait (a synchronous call inside the batch) would never return.

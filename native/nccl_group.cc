@@ -349,7 +349,9 @@ void NcclGroup::watchdog() {
       cv_.wait(lock);
       continue;
     }
-    cv_.wait_for(lock, std::chrono::milliseconds(checks_.empty() ? 20 : 1));
+    // Checks pending: poll often enough to raise a failed check within milliseconds, not so
+    // often that this thread competes with the one issuing the step's GPU work.
+    cv_.wait_for(lock, std::chrono::milliseconds(checks_.empty() ? 20 : 5));
     while (!outstanding_.empty() && outstanding_.front().event->query()) outstanding_.pop_front();
     std::string reason;
     while (reason.empty() && !checks_.empty() && engine_) {

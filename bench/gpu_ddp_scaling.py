@@ -135,6 +135,21 @@ def _fsdp(model, group):
     return model
 
 
+def _check_waits(model):
+    """(count, us) of the smddp argument checks of the model's DDP group that waited for the
+    previous check of their name (a rank running ahead of its peer), or None."""
+    from smdistributed.dataparallel.torch.process_group import smddp_group
+
+    group = getattr(model, "process_group", None)
+    if group is None:
+        return None
+    try:
+        link = smddp_group(group)._cuda_collectives
+    except RuntimeError:  # not an smddp group
+        return None
+    return (link.nccl.check_waits, link.nccl.check_wait_us) if link is not None else None
+
+
 def _smddp_group_with(**env):
     """A new smddp group made (engine and communicator) under these environment settings."""
     os.environ.update(env)
@@ -220,7 +235,10 @@ def main():
             if wall < best[name]:
                 best[name], host[name] = wall, issued
             if rank == 0 and args.verbose:
-                print(f"round {r} {name:<40} {wall * 1e3:8.2f} ms/step, host {issued * 1e3:8.2f}", flush=True)
+                waits = _check_waits(model)
+                print(f"round {r} {name:<40} {wall * 1e3:8.2f} ms/step, host {issued * 1e3:8.2f}"
+                      + (f", check-name waits so far {waits[0]} ({waits[1] / 1e3:.1f} ms)" if waits else ""),
+                      flush=True)
     slowest = torch.tensor([best[name] for name in configs], device=dev, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=nccl)  # each configuration's slowest rank
     steps = dict(zip(configs, slowest.tolist()))

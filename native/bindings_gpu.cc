@@ -56,6 +56,9 @@ void bind_gpu(py::module_& m) {
           "attach_engine", [](NcclGroup& g, Engine& e) { g.attach_engine(&e); }, py::keep_alive<1, 2>())
       .def("check", [](NcclGroup& g, const std::string& kind, OpType op, DType dtype, const std::vector<int64_t>& shape,
                        ReduceOp reduce, int root) { g.check(kind.c_str(), op, dtype, shape, reduce, root); })
+      .def_property_readonly("check_waits", &NcclGroup::check_waits,
+                             "argument checks that waited for the previous check of their name")
+      .def_property_readonly("check_wait_us", &NcclGroup::check_wait_us, "microseconds those waits took in all")
       .def("error", &NcclGroup::error)
       .def("abort", &NcclGroup::abort, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &NcclGroup::shutdown, py::call_guard<py::gil_scoped_release>());

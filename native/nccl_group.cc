@@ -278,15 +278,16 @@ constexpr uint64_t kCheckNameWindow = 16;
 
 // The engine refuses a name twice in flight. Waiting happens only with more than
 // kCheckNameWindow checks of one kind not yet agreed, which every rank reaches at the same call.
-void wait_until_done(Engine* engine, uint64_t handle) {
-  while (true) {
-    try {
-      if (engine->poll(handle)) return;
-    } catch (const std::exception&) {
-      return;  // already waited on and released by the watchdog
-    }
-    std::this_thread::yield();
+bool finished(Engine* engine, uint64_t handle) {
+  try {
+    return engine->poll(handle);
+  } catch (const std::exception&) {
+    return true;  // already waited on and released by the watchdog
   }
+}
+
+void wait_until_done(Engine* engine, uint64_t handle) {
+  while (!finished(engine, handle)) std::this_thread::yield();
 }
 }  // namespace
 
@@ -303,7 +304,12 @@ void NcclGroup::check(const char* kind, OpType op, DType dtype, const std::vecto
     auto it = last_check_of_name_.find(name);
     if (it != last_check_of_name_.end()) previous = it->second;
   }
-  if (previous) wait_until_done(engine, previous);
+  if (previous && !finished(engine, previous)) {
+    const int64_t start = now_us();
+    wait_until_done(engine, previous);
+    check_waits_++;
+    check_wait_us_ += uint64_t(now_us() - start);
+  }
   Signature sig;
   sig.op = op;
   sig.dtype = dtype;

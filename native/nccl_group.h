@@ -13,6 +13,7 @@
 // this rank, and every later call raises that reason.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -109,6 +110,11 @@ class NcclGroup {
   // no-op until an engine is attached.
   void check(const char* kind, OpType op, DType dtype, const std::vector<int64_t>& shape, ReduceOp reduce, int root);
 
+  // How often, and for how long in all, a check waited for the previous check of its name
+  // (more than kCheckNameWindow checks of one kind not yet agreed: a rank ahead of its peers).
+  uint64_t check_waits() const { return check_waits_; }
+  uint64_t check_wait_us() const { return check_wait_us_; }
+
   std::string error() const;
   void abort(const std::string& reason);
   void shutdown();  // waits for queued work, then destroys the communicator
@@ -141,6 +147,7 @@ class NcclGroup {
   std::unordered_map<std::string, uint64_t> checks_per_kind_;
   std::unordered_map<std::string, uint64_t> last_check_of_name_;
   std::deque<uint64_t> checks_;
+  std::atomic<uint64_t> check_waits_{0}, check_wait_us_{0};
   std::string error_;
   bool stop_ = false;
   bool destroyed_ = false;

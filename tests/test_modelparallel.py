@@ -205,6 +205,10 @@ def test_more_microbatches_than_may_be_active_train_like_one_process(procs, part
     for r in (r.event("trained") for r in results):
         assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
         assert r["kept_after_steps"] == [], r["kept_after_steps"]
+        # Forwards run on few threads, the same each step (each thread that runs a matrix
+        # product on a GPU keeps a cuBLAS workspace): the root's at most `active_microbatches`
+        # at a time, served calls on one runner per kind (plus the tracing thread).
+        assert r["forward_threads"] <= 4, r
 
 
 @pytest.mark.parametrize("procs, parts", LAYOUTS, ids=["pp2", "pp3", "pp2xdp2"])

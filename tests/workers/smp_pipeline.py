@@ -7,6 +7,7 @@ microbatches, steps.
 import gc
 import os
 import sys
+import threading
 
 import torch
 import torch.nn as nn
@@ -179,7 +180,11 @@ def main():
         ref_opt.step()
         ref_losses.append(loss.item())
 
-    model = smp.DistributedModel(build())
+    net = build()
+    forward_threads = set()  # threads that ran a module's forward on this rank
+    for m in net.modules():
+        m.register_forward_pre_hook(lambda mod, args: forward_threads.add(threading.get_ident()))
+    model = smp.DistributedModel(net)
     if os.environ.get("SMP_TEST_CHECKPOINTING"):
         # Recomputed in backward: a Sequential (each child), a module called twice, one layer.
         if MODEL == "skip":
@@ -221,7 +226,8 @@ def main():
     del loss_mb, loss  # the last step's StepOutput and loss, which this script held
     report("trained", rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(), param_rel_err=worst,
            loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses,
-           output_backwards=model._runtime.output_backwards, kept_after_steps=step_tensors_alive())
+           output_backwards=model._runtime.output_backwards, kept_after_steps=step_tensors_alive(),
+           forward_threads=len(forward_threads))
 
 
 def step_tensors_alive():

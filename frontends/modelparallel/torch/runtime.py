@@ -21,6 +21,7 @@ until the microbatch ends because a skip connection can be traversed by two segm
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import threading
@@ -58,6 +59,7 @@ class Task:
     mb: int
     phase: str
     kind: str = "step"  # "step": the user's step function; "serve": a call for a peer
+    queue: str = ""  # a served call: the queue it came from ("fwd" or "bwd")
     calls: List[RemoteCall] = field(default_factory=list)
     model_calls: int = 0
     reached_backward: bool = False
@@ -96,6 +98,12 @@ class PipelineRuntime:
         # parameters this step (overlapping_allreduce starts the data-parallel reduction there).
         self.on_grads_final: Optional[Callable[[], None]] = None
         self._pool = WorkerPool(device)
+        # Served calls run on threads of their own pool, one runner per kind of call taking them
+        # in arrival order (another only while one waits for a peer). A thread that ever ran a
+        # matrix product holds a cuBLAS workspace (32 MiB on Hopper) for life: a thread per
+        # served call held one per microbatch on the last stage (16 at m = 16); this keeps the
+        # threads that compute few and the same from step to step.
+        self._serve_pool = WorkerPool(device)
         self.output_backward = config.value("SMDDP_SMP_OUTPUT_BACKWARD") != "0"
         self.output_backwards = 0  # microbatches whose backward this rank started from its own loss, ever
         self.timeline = Timeline(global_ranks[pp_rank])
@@ -113,6 +121,8 @@ class PipelineRuntime:
         self._frames: Dict[Tuple[int, int], ServedFrame] = {}
         self._ids = itertools.count()
         self._threads: List[TaskHandle] = []
+        self._serve_queues: Dict[str, collections.deque] = {"fwd": collections.deque(), "bwd": collections.deque()}
+        self._serve_runners = {"fwd": 0, "bwd": 0}  # runners not waiting for a peer
         self._flow = threading.Condition()
         self._started = 0
         self._first_computed = 0  # microbatches that have taken the compute token once
@@ -131,9 +141,9 @@ class PipelineRuntime:
         if self._broken is not None:
             raise StepFailed(f"smp.step: an earlier step failed ({self._broken}); the pipeline cannot continue")
         self._reset()
-        # Enough workers for every task this step can have at once: microbatches, their
-        # served forward and backward calls, receivers.
-        self._pool.ensure(2 * len(microbatches) + 2 * self.pp_size + 2)
+        # Enough workers for every task this step can have at once: microbatches and receivers
+        # (served calls run on their own pool).
+        self._pool.ensure(len(microbatches) + self.pp_size + 1)
         self.pipeline, self.active = pipeline, active
         self.num_microbatches = len(microbatches)
         self.grad_scale = 1.0 / len(microbatches) if average else 1.0
@@ -161,8 +171,7 @@ class PipelineRuntime:
                 self._send_all(Message("end"))
             for t in receivers:
                 self._join(t)
-            for t in list(self._threads):
-                self._join(t)
+            self._join_all()
         except BaseException as e:  # KeyboardInterrupt on this rank: tell the others
             self._abort(e)
             raise
@@ -180,6 +189,18 @@ class PipelineRuntime:
 
     def _join(self, t: TaskHandle) -> None:
         t.join()
+
+    def _join_all(self) -> None:
+        """Joins every task of the step, including any started while joining."""
+        joined = 0
+        while True:
+            with self._lock:
+                pending = self._threads[joined:]
+            if not pending:
+                return
+            for t in pending:
+                self._join(t)
+            joined += len(pending)
 
     def _spawn(self, target, *args, name: str) -> TaskHandle:
         handle = self._pool.submit(target, *args)
@@ -446,9 +467,15 @@ class PipelineRuntime:
     def _wait_on(self, waiter: Waiter):
         task = current_task()
         self._token.release()
+        serving = task is not None and task.kind == "serve"
+        if serving:  # the calls queued behind this one may be what the peer needs first
+            self._serve_runner_waits(task.queue)
         try:
             body, tensors, specs, ready = waiter.wait(self.aborted)
         finally:
+            if serving:
+                with self._lock:
+                    self._serve_runners[task.queue] += 1
             self._token.acquire(self._prio(task), self._label(task))
         take(tensors, ready)
         return body, tensors, specs
@@ -466,7 +493,7 @@ class PipelineRuntime:
                         f"the link from pipeline rank {src} (global rank {self.global_ranks[src]}) failed", e)))
                 return
             if msg.kind in ("fwd", "bwd"):
-                self._spawn(self._serve, src, msg, tensors, specs, ready, name=f"smp-serve-{msg.kind}")
+                self._queue_serve(msg.kind, (src, msg, tensors, specs, ready))
             elif msg.kind in ("fwd_done", "bwd_done", "out"):
                 key = ((msg.kind, msg.fields["mb"], msg.fields["k"]) if msg.kind == "out"
                        else (msg.kind, msg.fields["id"]))
@@ -484,9 +511,46 @@ class PipelineRuntime:
                 w = self._waiters[key] = Waiter(str(key))
         w.set(value)
 
+    def _queue_serve(self, queue: str, call) -> None:
+        with self._lock:
+            self._serve_queues[queue].append(call)
+            if self._serve_runners[queue] > 0:
+                return  # a runner takes it when done with the calls before it
+            self._serve_runners[queue] += 1
+        self._start_serve_runner(queue)
+
+    def _start_serve_runner(self, queue: str) -> None:
+        handle = self._serve_pool.submit(self._run_serves, queue)
+        with self._lock:
+            self._threads.append(handle)
+
+    def _run_serves(self, queue: str) -> None:
+        while True:
+            with self._lock:
+                calls = self._serve_queues[queue]
+                if self._error is not None:
+                    calls.clear()  # the step failed: nobody waits for these
+                if not calls:
+                    self._serve_runners[queue] -= 1
+                    return
+                call = calls.popleft()
+            self._serve(*call)
+            call = None  # its tensors: not kept while this runner waits for the lock or leaves
+
+    def _serve_runner_waits(self, queue: str) -> None:
+        """A runner waits for a peer in the middle of a served call: the calls queued behind it
+        get a runner of their own."""
+        with self._lock:
+            self._serve_runners[queue] -= 1
+            start = bool(self._serve_queues[queue]) and self._serve_runners[queue] == 0
+            if start:
+                self._serve_runners[queue] += 1
+        if start:
+            self._start_serve_runner(queue)
+
     def _serve(self, src: int, msg: Message, tensors, specs, ready) -> None:
         f = msg.fields
-        _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve")
+        _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve", queue=msg.kind)
         try:
             take(tensors, ready)
             with self._autocast_context():

@@ -278,17 +278,7 @@ constexpr uint64_t kCheckNameWindow = 16;
 
 // The engine refuses a name twice in flight. Waiting happens only with more than
 // kCheckNameWindow checks of one kind not yet agreed, which every rank reaches at the same call.
-bool finished(Engine* engine, uint64_t handle) {
-  try {
-    return engine->poll(handle);
-  } catch (const std::exception&) {
-    return true;  // already waited on and released by the watchdog
-  }
-}
-
-void wait_until_done(Engine* engine, uint64_t handle) {
-  while (!finished(engine, handle)) std::this_thread::yield();
-}
+// (Engine::wait_done counts a handle the watchdog already released as finished.)
 }  // namespace
 
 void NcclGroup::check(const char* kind, OpType op, DType dtype, const std::vector<int64_t>& shape, ReduceOp reduce,
@@ -304,9 +294,9 @@ void NcclGroup::check(const char* kind, OpType op, DType dtype, const std::vecto
     auto it = last_check_of_name_.find(name);
     if (it != last_check_of_name_.end()) previous = it->second;
   }
-  if (previous && !finished(engine, previous)) {
+  if (previous && !engine->wait_done(previous, 0)) {
     const int64_t start = now_us();
-    wait_until_done(engine, previous);
+    engine->wait_done(previous, -1);
     check_waits_++;
     check_wait_us_ += uint64_t(now_us() - start);
   }

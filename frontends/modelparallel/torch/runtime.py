@@ -514,12 +514,15 @@ class PipelineRuntime:
     def _queue_serve(self, queue: str, call) -> None:
         with self._lock:
             self._serve_queues[queue].append(call)
-            if self._serve_runners[queue] > 0:
-                return  # a runner takes it when done with the calls before it
-            self._serve_runners[queue] += 1
-        self._start_serve_runner(queue)
+        self._ensure_serve_runner(queue)
 
-    def _start_serve_runner(self, queue: str) -> None:
+    def _ensure_serve_runner(self, queue: str) -> None:
+        """Starts a runner for `queue` when calls wait there and no runner is free to take
+        them (a free runner takes them once done with the calls before them)."""
+        with self._lock:
+            if not self._serve_queues[queue] or self._serve_runners[queue] > 0:
+                return
+            self._serve_runners[queue] += 1
         handle = self._serve_pool.submit(self._run_serves, queue)
         with self._lock:
             self._threads.append(handle)
@@ -542,11 +545,7 @@ class PipelineRuntime:
         get a runner of their own."""
         with self._lock:
             self._serve_runners[queue] -= 1
-            start = bool(self._serve_queues[queue]) and self._serve_runners[queue] == 0
-            if start:
-                self._serve_runners[queue] += 1
-        if start:
-            self._start_serve_runner(queue)
+        self._ensure_serve_runner(queue)
 
     def _serve(self, src: int, msg: Message, tensors, specs, ready) -> None:
         f = msg.fields

@@ -97,8 +97,7 @@ class WorkerPool:
             finally:
                 # An idle thread must not keep its last task alive until the next one comes:
                 # a task's arguments and closure hold a microbatch's tensors and, through their
-                # autograd graph, its activations (1.2 GB a GPU between steps of the pipeline
-                # benchmark, growing with the number of threads the pool ever started).
+                # autograd graph, possibly its activations.
                 fn = args = None
                 with self._lock:
                     self._idle.append(w)

@@ -5,8 +5,14 @@
     torchrun --nproc_per_node 2 bench/pipeline_bench.py --device cpu --small # 2 CPU processes, Gloo peer
     torchrun --nproc_per_node 1 bench/pipeline_bench.py --only single,smp --act-ckpt  # one GPU, memory
     torchrun --nproc_per_node 2 bench/pipeline_bench.py --device cpu --tiny  # the schedules' host cost
+    torchrun --nproc_per_node 4 bench/pipeline_bench.py --dp 2 --only single,torch,smp,ddp  # pp=2 x dp=2
 
-The number of partitions is the number of processes.
+The number of partitions is the number of processes over `--dp`. With `--dp 2` every
+pipeline is a data-parallel replica: smp runs with `ddp: true`, and torch's pipeline stages
+are wrapped in torch DDP over NCCL (its schedules skip the reduction until the last
+microbatch). `ddp` in `--only` times the whole model under torch DDP over NCCL on every
+process (one replica per device). Every replica takes its own batch of B samples, so a
+step processes B x replicas samples, and the speedup is in samples/s over one device's.
 Model (GPU): 16 TransformerEncoderLayers (width 1024, 16 heads, ffn 4096), bf16 parameters,
 batch 64 x 256, loss = mean square of the output, SGD; split 8 + 8 (the anchor's setup).
 Prints one 'RESULT {json}' line on rank 0: step time, samples/s, speedup over one device
@@ -43,6 +49,7 @@ p.add_argument("--tiny", action="store_true",
                help="16 layers of width 64, batch 64 x 16: compute is negligible, so the step time is the host's "
                     "cost of running the schedule (what bounds the GPU runs at 8 and 16 microbatches)")
 p.add_argument("--micro", default="4,8,16")
+p.add_argument("--dp", type=int, default=1, help="data-parallel replicas of the pipeline (partitions = processes / dp)")
 p.add_argument("--steps", type=int, default=10)
 p.add_argument("--warmup", type=int, default=3)
 p.add_argument("--only", default="single,torch,smp")
@@ -126,8 +133,35 @@ def timed(step, rank_sync):
     return (time.perf_counter() - t0) / args.steps
 
 
+def average_over(group, params):
+    """The peer's data parallelism across pipelines: the stage's gradients averaged in one
+    flat allreduce after the schedule. (torch DDP around a stage, which the schedules support,
+    left the last stage's replicas with different gradients in torch 2.13: checked on Gloo.)"""
+    replicas = dist.get_world_size(group)
+    if replicas == 1:
+        return
+    grads = [p.grad for p in params]
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    flat.div_(replicas)
+    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
+def peer_groups_like(group, backend, world_group):
+    """A group of `backend` over the ranks of `group` (one of smp's), made on every rank."""
+    mine = dist.get_process_group_ranks(group)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine, group=world_group)
+    made = {}
+    for ranks in sorted({tuple(r) for r in everyone}):  # every rank creates every group, in one order
+        made[ranks] = dist.new_group(list(ranks), backend=backend)
+    return made[tuple(mine)]
+
+
 def main():
-    smp.init({"partitions": int(os.environ.get("WORLD_SIZE", "2")), "microbatches": 4})
+    pp = int(os.environ.get("WORLD_SIZE", "2")) // args.dp
+    smp.init({"partitions": pp, "microbatches": 4, "ddp": args.dp > 1})
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
         torch.cuda.set_device(smp.local_rank())
@@ -137,22 +171,29 @@ def main():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(B, S, D, generator=g).to(dev, DTYPE)
     y = torch.randn(B, S, D, generator=g).to(dev, DTYPE)
-    out = dict(world=world, torch=torch.__version__, model=f"{L} encoder layers d{D} ffn{F}, batch {B}x{S}, {DTYPE}",
+    out = dict(world=world, pp=pp, dp=args.dp, torch=torch.__version__,
+               model=f"{L} encoder layers d{D} ffn{F}, batch {B}x{S} per replica, {DTYPE}",
                device=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu")
     peer_backend = "nccl" if args.device == "cuda" else "gloo"
     peer_group = dist.new_group(backend=peer_backend)
+    # The peer's pipeline and replica groups: the ranks of smp's, on the peer's backend.
+    peer_pp, peer_dp = (peer_groups_like(g, peer_backend, peer_group)
+                        for g in (smp.get_pp_process_group(), smp.get_dp_process_group()))
+    pp_rank = smp.pp_rank()
     barrier = lambda: dist.barrier(group=peer_group)  # noqa: E731
     micro = [int(m) for m in args.micro.split(",")]
     single = None
 
-    def record(name, t, m, peaks):
+    def record(name, t, m, peaks, replicas=args.dp):
+        """m: microbatches (None: no pipeline); replicas: batches of B samples per step."""
         peaks, held = peaks
-        entry = dict(step_ms=t * 1e3, samples_s=B / t, peak_gb=peaks)
+        entry = dict(step_ms=t * 1e3, samples_s=replicas * B / t, peak_gb=peaks)
         if args.device == "cuda":
             entry["held_before_gb"] = held
         if single:
-            entry.update(speedup_vs_single=single / t, ideal=world * m / (m + world - 1),
-                         idle_fraction=1 - single / t / world)
+            speedup = replicas * single / t
+            ideal = replicas * (pp * m / (m + pp - 1) if m else 1)
+            entry.update(speedup_vs_single=speedup, ideal=ideal, idle_fraction=1 - speedup / world)
         out[name] = entry
         if rank == 0:
             print(name, json.dumps(entry), flush=True)
@@ -182,24 +223,42 @@ def main():
             print("single", json.dumps(out["single"]), flush=True)
         del full, opt
 
-    if "torch" in args.only and world > 1:
+    if "ddp" in args.only and world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        full = torch.nn.Sequential(*layers(L)).to(dev, DTYPE)
+        ddp = DistributedDataParallel(full, device_ids=[dev.index] if args.device == "cuda" else None,
+                                      process_group=peer_group)
+        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+        peak_reset()
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss_fn(ddp(x), y).backward()
+            opt.step()
+
+        record(f"torch_ddp_{peer_backend}", timed(step, barrier), None, all_peaks(step), replicas=world)
+        del full, ddp, opt
+
+    if "torch" in args.only and pp > 1:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         for name, Sched in (("torch_gpipe", ScheduleGPipe), ("torch_1f1b", Schedule1F1B)):
             for m in micro:
-                per = L // world
-                part = torch.nn.Sequential(*layers(L)[rank * per:(rank + 1) * per]).to(dev, DTYPE)
-                stage = PipelineStage(part, rank, world, dev, group=peer_group)
+                per = L // pp
+                part = torch.nn.Sequential(*layers(L)[pp_rank * per:(pp_rank + 1) * per]).to(dev, DTYPE)
+                stage = PipelineStage(part, pp_rank, pp, dev, group=peer_pp)
                 sched = Sched(stage, n_microbatches=m, loss_fn=loss_fn)
                 opt = torch.optim.SGD(part.parameters(), lr=1e-3)
                 peak_reset()
 
                 def step():
                     opt.zero_grad(set_to_none=True)
-                    if rank == 0:
+                    if pp_rank == 0:
                         sched.step(x)
                     else:
                         sched.step(target=y, losses=[])
+                    average_over(peer_dp, list(part.parameters()))
                     opt.step()
 
                 t = timed(step, barrier)

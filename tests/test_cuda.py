@@ -19,6 +19,7 @@ from world import assert_all_ok, run_world  # noqa: E402
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 needs_two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
 needs_a_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+needs_four_gpus = pytest.mark.skipif(GPUS < 4, reason="needs 4 CUDA GPUs")
 WORLD = min(max(GPUS, 2), 4)  # one rank per GPU, up to 4
 
 
@@ -194,28 +195,45 @@ def test_cuda_hugging_face_trainer_with_sagemaker_switch(tmp_path):
     assert proc.stdout.count("HF TRAINER OK") == WORLD, proc.stdout + proc.stderr
 
 
+# (processes, partitions): pp=2 on 2 GPUs; on 4 GPUs, pp=2 x dp=2 and pp=4 (the 4-GPU layouts
+# skip on a 2-GPU machine).
+GPU_LAYOUTS = [pytest.param(2, 2, id="pp2"),
+               pytest.param(4, 2, id="pp2xdp2", marks=needs_four_gpus),
+               pytest.param(4, 4, id="pp4", marks=needs_four_gpus)]
+
+
 @needs_two_gpus
+@pytest.mark.parametrize("procs, parts", GPU_LAYOUTS)
 @pytest.mark.parametrize("model, mode, pipeline", [("skip", "manual", "interleaved"), ("seq", "auto", "simple"),
                                                    ("skip", "auto", "simple"), ("seq", "manual", "interleaved")])
-def test_cuda_modelparallel_pipeline_trains_like_one_gpu(model, mode, pipeline):
-    """pp=2 over 2 GPUs: activations and gradients cross through NCCL."""
-    results = run_world(WORLD, "smp_pipeline.py", [model, mode, pipeline, "2", "4", "5"], gpus=True, timeout=300)
+def test_cuda_modelparallel_pipeline_trains_like_one_gpu(procs, parts, model, mode, pipeline):
+    """Activations and gradients cross through NCCL; with dp=2 the replicas' gradients too."""
+    results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(parts), "4", "5"], gpus=True,
+                        timeout=300)
     assert_all_ok(results)
     for r in results:
         report = r.event("trained")
         assert report["param_rel_err"] < 1e-5 and report["loss_rel_err"] < 1e-5, report
+        assert report["losses"] == results[0].event("trained")["losses"], "ranks disagree on the loss"
 
 
 @needs_two_gpus
-def test_cuda_modelparallel_seed_002_script(tmp_path):
+@pytest.mark.parametrize("procs, script, params", [
+    pytest.param(2, "seed002_auto_partition.py", {"partitions": 2, "microbatches": 4}, id="auto-pp2"),
+    pytest.param(4, "seed002_manual_partition.py", {"partitions": 2, "microbatches": 4, "ddp": True,
+                                                    "auto_partition": False, "default_partition": 0},
+                 id="manual-pp2xdp2", marks=needs_four_gpus),
+    pytest.param(4, "seed002_auto_partition.py", {"partitions": 4, "microbatches": 4}, id="auto-pp4",
+                 marks=needs_four_gpus),
+])
+def test_cuda_modelparallel_seed_002_script(procs, script, params, tmp_path):
     examples = Path(__file__).resolve().parent.parent / "examples" / "modelparallel"
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=str(examples),
-               SM_HP_MP_PARAMETERS=json.dumps({"partitions": 2, "microbatches": 4}))
-    cmd = [sys.executable, "-m", "smdistributed.common.launcher", "-np", "2", "--", sys.executable,
-           str(examples / "seed002_auto_partition.py")]
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", PYTHONPATH=str(examples), SM_HP_MP_PARAMETERS=json.dumps(params))
+    cmd = [sys.executable, "-m", "smdistributed.common.launcher", "-np", str(procs), "--", sys.executable,
+           str(examples / script)]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" loss ") == 4, proc.stdout
+    assert proc.stdout.count(" loss ") == 2 * procs, proc.stdout  # two logged batches on every rank
 
 
 @needs_two_gpus

@@ -174,6 +174,17 @@ CASES = [("skip", "manual", "simple"), ("skip", "manual", "interleaved"), ("skip
 @pytest.mark.parametrize("procs, parts", LAYOUTS, ids=["pp2", "pp3", "pp2xdp2"])
 @pytest.mark.parametrize("model, mode, pipeline", CASES, ids=["-".join(c) for c in CASES])
 def test_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):
+    _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline)
+
+
+# pp=4 (the 4-GPU layout, on CPU processes): the manual split leaves partition 2 without a module.
+@pytest.mark.parametrize("model, mode, pipeline", [("skip", "manual", "interleaved"), ("seq", "auto", "simple")],
+                         ids=["skip-manual-interleaved", "seq-auto-simple"])
+def test_four_stage_pipeline_trains_like_one_process(model, mode, pipeline):
+    _check_pipeline_trains_like_one_process(4, 4, model, mode, pipeline)
+
+
+def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):
     results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(parts), "4", "5"], timeout=120)
     assert_all_ok(results)
     reports = [r.event("trained") for r in results]

@@ -1,0 +1,49 @@
+"""bench/pipeline_bench.py's RESULT JSON as a PNG: throughput against one device (and the
+ideal of each configuration) on the left, the largest peak memory of any rank on the right.
+
+    python bench/plot_pipeline.py OUT.png bench/results/pipeline_4gpu_X.json [more runs of other layouts]
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def color(name: str) -> str:
+    return "tab:red" if name.startswith("smp") else "tab:green" if "ddp" in name else "tab:blue"
+
+
+def main(out: str, paths: list[str]) -> None:
+    rows = []  # (label, entry)
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        layout = f"pp={doc['pp']}" + (f" x dp={doc['dp']}" if doc.get("dp", 1) > 1 else "")
+        for name, entry in doc.items():
+            if isinstance(entry, dict) and "speedup_vs_single" in entry:
+                rows.append((f"{f'dp={doc['world']}' if 'ddp' in name else layout}: {name}", entry))
+    labels = [r[0] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 0.32 * len(rows) + 1.8), sharey=True)
+    left.barh(labels, [e["speedup_vs_single"] for _, e in rows], color=[color(n.split(": ")[1]) for n in labels])
+    left.scatter([e["ideal"] for _, e in rows], labels, marker="|", s=200, color="black", label="ideal")
+    left.set_xlabel("samples/s over one GPU's (the whole model, one GPU)")
+    left.legend(loc="lower right")
+    right.barh(labels, [max(e["peak_gb"]) for _, e in rows], color=[color(n.split(": ")[1]) for n in labels])
+    right.set_xlabel("peak GPU memory of the busiest rank (GB)")
+    left.invert_yaxis()
+    for ax in (left, right):
+        ax.grid(axis="x", alpha=0.3)
+    doc = json.loads(Path(paths[0]).read_text())
+    fig.suptitle(f"{doc['model']}, {doc['world']} x {doc['device']}, torch {doc['torch']}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

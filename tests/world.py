@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -122,6 +123,7 @@ def run_world(
             SMDDP_LOCAL_SIZE=str(local_size), SMDDP_STORE_ADDR="127.0.0.1", SMDDP_STORE_PORT=str(port),
             SMDDP_SECRET=secret, SMDDP_HOST=f"simhost{host}" if hosts > 1 else "", PYTHONUNBUFFERED="1",
             SMDDP_TEST_REPORT=str(report_dir / f"rank{rank}.jsonl"),
+            PYTHONFAULTHANDLER="1",  # a hung rank's stacks, on the timeout's SIGABRT
         )
         e.setdefault("SMDDP_TIMEOUT", "20")
         if not e["SMDDP_HOST"]:
@@ -143,7 +145,11 @@ def run_world(
             p = procs[rank]
             if rank in kill_after_others and p.poll() is None:
                 p.kill()
-            out, err = p.communicate(timeout=timeout)
+            try:
+                out, err = p.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{worker} on {nranks} ranks: rank {rank} still running after {timeout} s; "
+                                     f"the live ranks' Python stacks:\n{_stacks_of_live(procs)}") from None
             results[rank] = RankResult(rank, p.returncode, out, err, read_reports(report_dir / f"rank{rank}.jsonl"))
     finally:
         for p in procs.values():
@@ -152,6 +158,22 @@ def run_world(
                 p.wait()
         shutil.rmtree(report_dir, ignore_errors=True)
     return [results[r] for r in range(nranks)]
+
+
+def _stacks_of_live(procs: Dict[int, subprocess.Popen]) -> str:
+    """Makes every rank still running print its threads' Python stacks (faulthandler, on
+    SIGABRT) and returns the end of each one's stderr: where a hung world waits."""
+    live = {rank: p for rank, p in procs.items() if p.poll() is None}
+    for p in live.values():
+        p.send_signal(signal.SIGABRT)
+    dumps = []
+    for rank, p in live.items():
+        try:
+            _, err = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            err = "(no stack: it did not stop on SIGABRT)"
+        dumps.append(f"--- rank {rank}\n{(err or '')[-6000:]}")
+    return "\n".join(dumps)
 
 
 def assert_all_ok(results: List[RankResult]) -> None:

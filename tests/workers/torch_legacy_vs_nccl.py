@@ -71,6 +71,9 @@ class WithUnused(torch.nn.Module):
 
 
 REPORT_ONLY = os.environ.get("SMDDP_TEST_REPORT_ONLY") == "1"  # print every difference, raise none
+# Diagnosis: in float64 a different summation order differs by ~1e-16, so a gap that remains
+# is not rounding amplified by later steps.
+DTYPE = getattr(torch, os.environ.get("SMDDP_TEST_DTYPE", "float32"))
 
 
 def compare(what, ours, theirs, tol):
@@ -94,7 +97,7 @@ def compare(what, ours, theirs, tol):
             if not REPORT_ONLY:
                 raise AssertionError(message)
             beyond.append(name)
-    if REPORT_ONLY and beyond:
+    if REPORT_ONLY:
         print(f"{what}: {len(beyond)} of {len(ours)} beyond {tol:g}, worst {worst[0]:.3g} ({worst[1]}); "
               f"first: {beyond[:4]}", flush=True)
     return worst
@@ -107,7 +110,7 @@ def run_variant(VARIANT, rank, device, nccl):
 
     body, shape, classes = seeded_model()
     ref_body, _, _ = seeded_model()
-    body, ref_body = body.to(device), ref_body.to(device)
+    body, ref_body = body.to(device, DTYPE), ref_body.to(device, DTYPE)
     kwargs = {}
     if VARIANT == "overlap":
         kwargs["overlap_communication"] = True
@@ -150,7 +153,7 @@ def run_variant(VARIANT, rank, device, nccl):
         if VARIANT == "unused":
             body.use_branch = ref_body.use_branch = step % 2 == 0
         for micro in range(micro_steps):
-            x = torch.randn(*shape, generator=g).to(device)
+            x = torch.randn(*shape, generator=g).to(device, DTYPE)
             y = torch.randint(0, classes, (shape[0],), generator=g).to(device)
             last = micro == micro_steps - 1
             for model in (ours, theirs):

@@ -141,6 +141,15 @@ def test_subgroups_and_gloo_beside_smddp():
     assert all("GROUPS OK" in r.stdout for r in results)
 
 
+def test_split_siblings_sharing_a_store_get_their_own_groups():
+    """torch's split_group gave sibling groups one store prefix in some versions (a counter
+    named them): the halves of a 4-rank world, split with one store, each sum over their own
+    members (they hung in communicator start-up on 4 GPUs before the members named the keys)."""
+    results = run_world(4, "torch_split_siblings.py", timeout=120)
+    assert_all_ok(results)
+    assert all("SPLIT OK" in r.stdout for r in results)
+
+
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_per_device_backend_api(nranks):
     """init_process_group(device_id=), _get_backend per device, new_group, 1-D and 2-D DeviceMesh

@@ -157,7 +157,11 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         members = sorted(int(r) for r in ranks)
         if self.rank() not in members:
             return None
-        child = ProcessGroupSMDDP(dist.PrefixStore(f"smddp/split/{n}/", store), members.index(self.rank()),
+        # The members name the child's keys: sibling groups of one split can get the same store
+        # (torch before 2.6 named them from a counter, equal on every rank; DeviceMesh splits
+        # every dimension so), and two communicators bootstrapped from one key never start.
+        prefix = f"smddp/split/{n}/{'-'.join(map(str, members))}/"
+        child = ProcessGroupSMDDP(dist.PrefixStore(prefix, store), members.index(self.rank()),
                                   len(members), timedelta(milliseconds=timeout_ms))
         from . import native_backend
 

@@ -26,7 +26,8 @@ def main(out: str, paths: list[str]) -> None:
         layout = f"pp={doc['pp']}" + (f" x dp={doc['dp']}" if doc.get("dp", 1) > 1 else "")
         for name, entry in doc.items():
             if isinstance(entry, dict) and "speedup_vs_single" in entry:
-                rows.append((f"{f'dp={doc['world']}' if 'ddp' in name else layout}: {name}", entry))
+                where = f"dp={doc['world']}" if "ddp" in name else layout
+                rows.append((f"{where}: {name}", entry))
     labels = [r[0] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 0.32 * len(rows) + 1.8), sharey=True)
     left.barh(labels, [e["speedup_vs_single"] for _, e in rows], color=[color(n.split(": ")[1]) for n in labels])

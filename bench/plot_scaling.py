@@ -19,11 +19,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def style(name: str) -> dict:
+    # Colour: whose configuration; line: a diagnostic variant of it.
+    line = ":" if "no checks" in name else "-." if "bucket view" in name else None
     if name.startswith("smdistributed"):
         return dict(color="tab:red", marker="o")
     if "smddp" in name:
-        return dict(color="tab:orange", marker="D")
-    return dict(color="tab:blue", marker="s", linestyle="--")
+        return dict(color="tab:orange", marker="D", linestyle=line or "-")
+    return dict(color="tab:blue", marker="s", linestyle=line or "--")
 
 
 def main(out: str, paths: list[str]) -> None:
@@ -32,10 +34,10 @@ def main(out: str, paths: list[str]) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         runs = sorted((d for d in docs if d.get("model", "anchor") == model), key=lambda d: d["world"])
-        names = [n for n in runs[-1]["results"] if all(n in d["results"] for d in runs)]
-        for name in names:
-            worlds = [1] + [d["world"] for d in runs]
-            effs = [1.0] + [d["results"][name]["scaling_eff"] for d in runs]
+        names = list(dict.fromkeys(n for d in runs for n in d["results"]))
+        for name in names:  # a configuration missing from a run is drawn through the others
+            worlds = [1] + [d["world"] for d in runs if name in d["results"]]
+            effs = [1.0] + [d["results"][name]["scaling_eff"] for d in runs if name in d["results"]]
             ax.plot(worlds, effs, label=name, **style(name))
             ax.annotate(f"{effs[-1]:.2f}", (worlds[-1], effs[-1]), textcoords="offset points", xytext=(6, 0),
                         fontsize=8, va="center")
@@ -47,7 +49,8 @@ def main(out: str, paths: list[str]) -> None:
         ax.grid(alpha=0.3)
         ax.set_title(f"{model} ({runs[0]['params'] / 1e6:.0f}M params)")
         ax.legend(fontsize=8, loc="lower left")
-    fig.suptitle(f"torch DDP weak scaling on {docs[0]['device']}, torch {docs[0]['torch']}")
+    fig.suptitle(f"weak scaling on {docs[0]['device']}, torch {docs[0]['torch']} (each point: its run's own "
+                 "one-GPU step time over its step time)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print("wrote", out)

@@ -280,6 +280,10 @@ def main():
                 for m in micro:
                     smp._state.cfg = dataclasses.replace(base, microbatches=m, pipeline=pipeline,
                                                          active_microbatches=active or base.active_microbatches)
+                    # The previous configuration's gradients go first, as the step would free
+                    # them: torch's stages start each configuration without any, and
+                    # held_before_gb compares what the runtimes keep, not the gradients.
+                    opt.zero_grad(set_to_none=True)
                     peak_reset()
 
                     def step():

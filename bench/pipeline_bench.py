@@ -207,38 +207,32 @@ def main():
         dist.all_gather(ts, t, group=peer_group)
         return [v[0].item() for v in ts], [v[1].item() for v in ts]
 
-    if "single" in args.only:
-        full = torch.nn.Sequential(*layers(L)).to(dev, DTYPE)
-        opt = torch.optim.SGD(full.parameters(), lr=1e-3)
+    def whole_model_step(wrap=lambda m: m):
+        """A training step of the whole model (wrapped, for DDP), its memory peak reset."""
+        model = wrap(torch.nn.Sequential(*layers(L)).to(dev, DTYPE))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         peak_reset()
 
         def step():
             opt.zero_grad(set_to_none=True)
-            loss_fn(full(x), y).backward()
+            loss_fn(model(x), y).backward()
             opt.step()
 
-        single = timed(step, barrier)
+        return step
+
+    if "single" in args.only:
+        single = timed(whole_model_step(), barrier)
         out["single"] = dict(step_ms=single * 1e3, samples_s=B / single, peak_gb=peak_gb())
         if rank == 0:
             print("single", json.dumps(out["single"]), flush=True)
-        del full, opt
 
     if "ddp" in args.only and world > 1:
         from torch.nn.parallel import DistributedDataParallel
 
-        full = torch.nn.Sequential(*layers(L)).to(dev, DTYPE)
-        ddp = DistributedDataParallel(full, device_ids=[dev.index] if args.device == "cuda" else None,
-                                      process_group=peer_group)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-        peak_reset()
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            loss_fn(ddp(x), y).backward()
-            opt.step()
-
+        step = whole_model_step(lambda m: DistributedDataParallel(
+            m, device_ids=[dev.index] if args.device == "cuda" else None, process_group=peer_group))
         record(f"torch_ddp_{peer_backend}", timed(step, barrier), None, all_peaks(step), replicas=world)
-        del full, ddp, opt
+        del step
 
     if "torch" in args.only and pp > 1:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe

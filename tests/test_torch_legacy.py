@@ -21,12 +21,16 @@ def test_legacy_ddp_matches_single_process(case, nranks):
     assert all("LEGACY DDP OK" in r.stdout for r in results)
 
 
-def test_legacy_ddp_equals_torch_ddp_step_by_step():
+@pytest.mark.parametrize("resync", [False, True], ids=["5-steps", "each-step-from-equal-states"])
+def test_legacy_ddp_equals_torch_ddp_step_by_step(resync):
     """The wrapper (and torch's DDP on smddp) against torch DDP on Gloo: gradients, parameters
     and buffers after each of 5 steps, every option the CPU path has (the GPU test runs the
-    same worker against NCCL on ResNet-50, a transformer and an MLP)."""
+    same worker against NCCL on ResNet-50, a transformer and an MLP). With `resync`, torch's
+    copy takes the wrapper's state (parameters, buffers, momentum) before each step, as the
+    GPU test does on more than 2 GPUs."""
     results = run_world(3, "torch_legacy_vs_nccl.py",
-                        ["small-mlp", "default,nosync,unused,small-buckets,torch-ddp-smddp", "5"])
+                        ["small-mlp", "default,nosync,unused,small-buckets,torch-ddp-smddp", "5"],
+                        env={"SMDDP_TEST_RESYNC": "1"} if resync else None)
     assert_all_ok(results)
     for r in results:
         assert r.stdout.count("LEGACY VS NCCL OK") == 5, r.output

@@ -28,6 +28,7 @@ usage: torch_legacy_vs_nccl.py MODEL VARIANT[,VARIANT...] [STEPS]
            | torch-ddp-smddp (torch's DDP on the smddp backend in place of the wrapper)
            | control (torch DDP on NCCL in place of the wrapper: two identical runs)
 """
+import copy
 import os
 import sys
 
@@ -82,6 +83,8 @@ REPORT_ONLY = os.environ.get("SMDDP_TEST_REPORT_ONLY") == "1"  # print every dif
 # Diagnosis: in float64 a different summation order differs by ~1e-16, so a gap that remains
 # is not rounding amplified by later steps.
 DTYPE = getattr(torch, os.environ.get("SMDDP_TEST_DTYPE", "float32"))
+# Every step starts torch's copy from the wrapper's state (what more than 2 GPUs do), on CPUs too.
+RESYNC = os.environ.get("SMDDP_TEST_RESYNC") == "1"
 
 
 def compare(what, ours, theirs, tol):
@@ -184,9 +187,11 @@ def run_variant(VARIANT, rank, device, nccl):
                                    dict(ref_body.named_parameters()), tol), key=lambda w: w[0])
         worst = max(worst, compare(f"step {step} buffer", dict(body.named_buffers()),
                                    dict(ref_body.named_buffers()), tol), key=lambda w: w[0])
-        if VARIANT == "bf16" or (device.type == "cuda" and dist.get_world_size() > 2):
+        if VARIANT == "bf16" or RESYNC or (device.type == "cuda" and dist.get_world_size() > 2):
             ref_body.load_state_dict(body.state_dict())
-            ref_opt.load_state_dict(opt.state_dict())
+            # A copy: load_state_dict keeps tensors already on the right device, and two
+            # optimizers sharing one momentum buffer would each advance it.
+            ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     if device.type == "cuda":
         torch.cuda.synchronize()
     print(f"rank {rank}: LEGACY VS NCCL OK {MODEL} {VARIANT}: {STEPS} steps, worst relative difference "

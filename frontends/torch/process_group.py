@@ -13,7 +13,7 @@ import secrets
 import socket
 import threading
 from datetime import timedelta
-from typing import List, NamedTuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,7 +101,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._completion_thread = None
         self._cuda_collectives = None
         self._cuda_checks = os.environ.get("SMDDP_CUDA_CHECKS", "1") != "0"
-        self._splits = itertools.count()  # split() calls, made in the same order on every rank
+        # Splits made so far per member set: counted per members, not per call, because a rank
+        # outside a split is not asked by every torch version (so a count of all calls
+        # differs between ranks), while every member of a group takes part in each of its splits.
+        self._splits: Dict[Tuple[int, ...], int] = {}
 
     # -- plumbing ---------------------------------------------------------------------------
     @property
@@ -153,14 +156,15 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def _split(self, store, ranks, timeout_ms: int):
         """torch's split_group: the child group over `ranks` (ranks of this group), or None on a
         rank outside it. Its engine and communicator are made on first use, as for any group."""
-        n = next(self._splits)
-        members = sorted(int(r) for r in ranks)
+        members = tuple(sorted(int(r) for r in ranks))
         if self.rank() not in members:
             return None
-        # The members name the child's keys: sibling groups of one split can get the same store
-        # (torch before 2.6 named them from a counter, equal on every rank; DeviceMesh splits
-        # every dimension so), and two communicators bootstrapped from one key never start.
-        prefix = f"smddp/split/{n}/{'-'.join(map(str, members))}/"
+        n = self._splits.get(members, 0)
+        self._splits[members] = n + 1
+        # The child's keys: its members and how many times they split before. Each member
+        # computes the same name whatever other groups it split, and sibling groups handed one
+        # store do not share keys (two communicators bootstrapped from one key never start).
+        prefix = f"smddp/split/{'-'.join(map(str, members))}/{n}/"
         child = ProcessGroupSMDDP(dist.PrefixStore(prefix, store), members.index(self.rank()),
                                   len(members), timedelta(milliseconds=timeout_ms))
         from . import native_backend

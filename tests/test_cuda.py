@@ -3,6 +3,11 @@
 These need two GPUs and a CUDA build of torch, and skip cleanly anywhere else (CI has no
 GPU). They run the same workers as the CPU tests with SMDDP_TEST_DEVICE=cuda, so every
 check the CPU path passes is checked on the GPU too, and compare with torch's NCCL backend.
+
+With 4 GPUs the worlds have 4 ranks and the pipeline tests add the pp=2 x dp=2 and pp=4
+layouts; the file then takes more than 10 minutes (4 x H200: about 250 s for
+`-k modelparallel`, more than 400 s for the rest), so run the two halves separately where a
+command's time is limited.
 """
 import json
 import os

@@ -9,8 +9,8 @@
 
 The number of partitions is the number of processes over `--dp`. With `--dp 2` every
 pipeline is a data-parallel replica: smp runs with `ddp: true`, and torch's pipeline stages
-are wrapped in torch DDP over NCCL (its schedules skip the reduction until the last
-microbatch). `ddp` in `--only` times the whole model under torch DDP over NCCL on every
+average their gradients over the replicas in one flat allreduce after the schedule (see
+average_over). `ddp` in `--only` times the whole model under torch DDP over NCCL on every
 process (one replica per device). Every replica takes its own batch of B samples, so a
 step processes B x replicas samples, and the speedup is in samples/s over one device's.
 Model (GPU): 16 TransformerEncoderLayers (width 1024, 16 heads, ffn 4096), bf16 parameters,

@@ -20,21 +20,22 @@ def color(name: str) -> str:
 
 
 def main(out: str, paths: list[str]) -> None:
-    rows = []  # (label, entry)
+    labels, colors, entries = [], [], []
     for p in paths:
         doc = json.loads(Path(p).read_text())
         layout = f"pp={doc['pp']}" + (f" x dp={doc['dp']}" if doc.get("dp", 1) > 1 else "")
         for name, entry in doc.items():
             if isinstance(entry, dict) and "speedup_vs_single" in entry:
                 where = f"dp={doc['world']}" if "ddp" in name else layout
-                rows.append((f"{where}: {name}", entry))
-    labels = [r[0] for r in rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 0.32 * len(rows) + 1.8), sharey=True)
-    left.barh(labels, [e["speedup_vs_single"] for _, e in rows], color=[color(n.split(": ")[1]) for n in labels])
-    left.scatter([e["ideal"] for _, e in rows], labels, marker="|", s=200, color="black", label="ideal")
+                labels.append(f"{where}: {name}")
+                colors.append(color(name))
+                entries.append(entry)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 0.32 * len(entries) + 1.8), sharey=True)
+    left.barh(labels, [e["speedup_vs_single"] for e in entries], color=colors)
+    left.scatter([e["ideal"] for e in entries], labels, marker="|", s=200, color="black", label="ideal")
     left.set_xlabel("samples/s over one GPU's (the whole model, one GPU)")
     left.legend(loc="lower right")
-    right.barh(labels, [max(e["peak_gb"]) for _, e in rows], color=[color(n.split(": ")[1]) for n in labels])
+    right.barh(labels, [max(e["peak_gb"]) for e in entries], color=colors)
     right.set_xlabel("peak GPU memory of the busiest rank (GB)")
     left.invert_yaxis()
     for ax in (left, right):

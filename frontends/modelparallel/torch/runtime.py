@@ -202,8 +202,8 @@ class PipelineRuntime:
                 self._join(t)
             joined += len(pending)
 
-    def _spawn(self, target, *args, name: str) -> TaskHandle:
-        handle = self._pool.submit(target, *args)
+    def _spawn(self, target, *args, name: str, pool: Optional[WorkerPool] = None) -> TaskHandle:
+        handle = (pool or self._pool).submit(target, *args)
         with self._lock:
             self._threads.append(handle)
         return handle
@@ -523,9 +523,7 @@ class PipelineRuntime:
             if not self._serve_queues[queue] or self._serve_runners[queue] > 0:
                 return
             self._serve_runners[queue] += 1
-        handle = self._serve_pool.submit(self._run_serves, queue)
-        with self._lock:
-            self._threads.append(handle)
+        self._spawn(self._run_serves, queue, name=f"smp-serve-{queue}", pool=self._serve_pool)
 
     def _run_serves(self, queue: str) -> None:
         while True:

@@ -91,6 +91,8 @@ def variants(nccl_group):
     # NCCL limited to a few SMs (SMDDP_NCCL_MAX_CTAS, read when a group makes its communicator).
     yield "torch DDP, smddp, no checks", lambda m: TorchDDP(m, device_ids=[m_dev(m)],
                                                             process_group=_smddp_group_with(SMDDP_CUDA_CHECKS="0"))
+    yield "torch DDP, smddp, checks wait", lambda m: TorchDDP(
+        m, device_ids=[m_dev(m)], process_group=_smddp_group_with(SMDDP_CUDA_CHECK_BACKLOG="0"))
     yield "torch DDP, smddp, no spinning", lambda m: TorchDDP(m, device_ids=[m_dev(m)],
                                                               process_group=_smddp_group_with(SMDDP_SPIN_US="0"))
     yield "torch DDP, nccl, bucket view", lambda m: TorchDDP(m, device_ids=[m_dev(m)], process_group=nccl_group,
@@ -136,8 +138,9 @@ def _fsdp(model, group):
 
 
 def _check_waits(model):
-    """(count, us) of the smddp argument checks of the model's DDP group that waited for the
-    previous check of their name (a rank running ahead of its peer), or None."""
+    """(waits, us, queued) of the smddp argument checks of the model's DDP group: how often the
+    caller waited for the previous check of a name, for how long in all, and how many checks
+    were queued instead (a rank running ahead of its peer); or None."""
     from smdistributed.dataparallel.torch.process_group import smddp_group
 
     group = getattr(model, "process_group", None)
@@ -147,7 +150,9 @@ def _check_waits(model):
         link = smddp_group(group)._cuda_collectives
     except RuntimeError:  # not an smddp group
         return None
-    return (link.nccl.check_waits, link.nccl.check_wait_us) if link is not None else None
+    if link is None:
+        return None
+    return link.nccl.check_waits, link.nccl.check_wait_us, link.nccl.checks_deferred
 
 
 def _smddp_group_with(**env):
@@ -237,7 +242,8 @@ def main():
             if rank == 0 and args.verbose:
                 waits = _check_waits(model)
                 print(f"round {r} {name:<40} {wall * 1e3:8.2f} ms/step, host {issued * 1e3:8.2f}"
-                      + (f", check-name waits so far {waits[0]} ({waits[1] / 1e3:.1f} ms)" if waits else ""),
+                      + (f", check waits so far {waits[0]} ({waits[1] / 1e3:.1f} ms), queued {waits[2]}"
+                         if waits else ""),
                       flush=True)
     slowest = torch.tensor([best[name] for name in configs], device=dev, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=nccl)  # each configuration's slowest rank

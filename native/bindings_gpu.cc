@@ -59,6 +59,8 @@ void bind_gpu(py::module_& m) {
       .def_property_readonly("check_waits", &NcclGroup::check_waits,
                              "argument checks that waited for the previous check of their name")
       .def_property_readonly("check_wait_us", &NcclGroup::check_wait_us, "microseconds those waits took in all")
+      .def_property_readonly("checks_deferred", &NcclGroup::checks_deferred,
+                             "argument checks queued because their name was still in use (a rank ahead)")
       .def("error", &NcclGroup::error)
       .def("abort", &NcclGroup::abort, py::call_guard<py::gil_scoped_release>())
       .def("shutdown", &NcclGroup::shutdown, py::call_guard<py::gil_scoped_release>());

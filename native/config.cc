@@ -65,6 +65,11 @@ const std::vector<ConfigVar>& config_table() {
        "1: every collective on CUDA tensors is also negotiated (its signature only) through the CPU "
        "engine, so ranks that disagree on shape, dtype, op or root, or a dead rank, abort NCCL with "
        "a message naming the difference instead of hanging; 0: off (saves a few microseconds a call)"},
+      {"SMDDP_CUDA_CHECK_BACKLOG", "1024",
+       "argument checks of CUDA collectives a rank may queue while its peers catch up (a check "
+       "name is reused every 16 calls of a kind, after its earlier holder is agreed); the "
+       "collectives themselves are not held back. At the limit the calling thread waits. "
+       "0: never queue (wait whenever a name is still in use)"},
       {"SMDDP_CHECK_CALLING_THREAD", "1",
        "1: collectives matched by call order (every torch.distributed call on smddp, and the "
        "argument checks of CUDA collectives) carry the number of the thread that called, threads "
@@ -159,6 +164,8 @@ EngineConfig EngineConfig::from_environment() {
   c.cache_capacity = config_int("SMDDP_CACHE_CAPACITY");
   c.hit_exchange = config_int("SMDDP_HIT_EXCHANGE") != 0;
   c.check_calling_thread = config_int("SMDDP_CHECK_CALLING_THREAD") != 0;
+  c.cuda_check_backlog = config_int("SMDDP_CUDA_CHECK_BACKLOG");
+  if (c.cuda_check_backlog < 0) throw Error("SMDDP_CUDA_CHECK_BACKLOG must be 0 or more");
   c.shm_slot_bytes = config_int("SMDDP_SHM_SLOT_BYTES");
   c.shm_ring_bytes = config_int("SMDDP_SHM_RING_BYTES");
   c.ring_threshold = config_int("SMDDP_RING_THRESHOLD");

@@ -276,30 +276,20 @@ void NcclGroup::attach_engine(Engine* engine) {
 namespace {
 constexpr uint64_t kCheckNameWindow = 16;
 
-// The engine refuses a name twice in flight. Waiting happens only with more than
-// kCheckNameWindow checks of one kind not yet agreed, which every rank reaches at the same call.
-// (Engine::wait_done counts a handle the watchdog already released as finished.)
+// The engine refuses a name twice in flight, so a name is reused only after its earlier holder
+// is agreed (Engine::wait_done counts a handle the watchdog already released as finished).
+// Every rank reaches the same name at the same call, so the queue below forms at the same call
+// on a rank that is ahead, and empties as its peers catch up.
 }  // namespace
 
 void NcclGroup::check(const char* kind, OpType op, DType dtype, const std::vector<int64_t>& shape, ReduceOp reduce,
                       int root) {
   Engine* engine;
-  std::string name;
-  uint64_t previous = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     engine = engine_;
-    if (!engine) return;
-    name = std::string("cuda.") + kind + "#" + std::to_string(checks_per_kind_[kind]++ % kCheckNameWindow);
-    auto it = last_check_of_name_.find(name);
-    if (it != last_check_of_name_.end()) previous = it->second;
   }
-  if (previous && !engine->wait_done(previous, 0)) {
-    const int64_t start = now_us();
-    engine->wait_done(previous, -1);
-    check_waits_++;
-    check_wait_us_ += uint64_t(now_us() - start);
-  }
+  if (!engine) return;
   Signature sig;
   sig.op = op;
   sig.dtype = dtype;
@@ -307,13 +297,50 @@ void NcclGroup::check(const char* kind, OpType op, DType dtype, const std::vecto
   sig.root = root;
   sig.shape = shape;
   sig.check_only = true;
-  sig.caller = engine->calling_thread();  // checks are matched by order (calling_threads.h)
+  sig.caller = engine->calling_thread();  // this thread's number, even if the watchdog submits it
+  std::lock_guard<std::mutex> submitting(submit_mutex_);
+  std::string name = std::string("cuda.") + kind + "#" + std::to_string(checks_per_kind_[kind]++ % kCheckNameWindow);
+  drain_deferred(engine, 0, 0);  // names are submitted in call order: the queue goes first
+  if (deferred_.empty() && name_free(engine, name, 0)) {
+    submit_check(engine, name, sig);
+    return;
+  }
+  checks_deferred_++;
+  deferred_.push_back({std::move(name), std::move(sig)});
+  drain_deferred(engine, size_t(engine->config().cuda_check_backlog), -1);  // waits only past the limit
+  deferred_count_ = deferred_.size();
+  if (deferred_count_) cv_.notify_all();  // the watchdog submits the rest as names free up
+}
+
+bool NcclGroup::name_free(Engine* engine, const std::string& name, double wait_s) {
+  auto it = last_check_of_name_.find(name);
+  return it == last_check_of_name_.end() || engine->wait_done(it->second, wait_s);
+}
+
+void NcclGroup::drain_deferred(Engine* engine, size_t keep, double wait_s) {
+  while (deferred_.size() > keep) {
+    DeferredCheck& front = deferred_.front();
+    if (!name_free(engine, front.name, 0)) {
+      if (wait_s == 0) break;
+      const int64_t start = now_us();
+      const bool free = name_free(engine, front.name, wait_s);
+      check_waits_++;
+      check_wait_us_ += uint64_t(now_us() - start);
+      if (!free) break;
+    }
+    submit_check(engine, front.name, front.sig);
+    deferred_.pop_front();
+  }
+  deferred_count_ = deferred_.size();
+}
+
+void NcclGroup::submit_check(Engine* engine, const std::string& name, const Signature& sig) {
   const uint64_t handle = engine->submit(name, sig, nullptr, nullptr, 0, 0, {});
+  last_check_of_name_[name] = handle;
   bool was_idle;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    last_check_of_name_[name] = handle;
-    was_idle = checks_.empty() && outstanding_.empty();
+    was_idle = checks_.empty() && outstanding_.empty() && !deferred_count_;
     checks_.push_back(handle);
   }
   if (was_idle) cv_.notify_all();
@@ -341,13 +368,31 @@ void NcclGroup::watchdog() {
   gpu::runtime().cudaSetDevice(device_);  // this thread's own; the caller's device is untouched
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
-    if ((outstanding_.empty() && checks_.empty()) || !error_.empty()) {
+    if ((outstanding_.empty() && checks_.empty() && !deferred_count_) || !error_.empty()) {
       cv_.wait(lock);
       continue;
     }
     // Checks pending: poll often enough to raise a failed check within milliseconds, not so
-    // often that this thread competes with the one issuing the step's GPU work.
-    cv_.wait_for(lock, std::chrono::milliseconds(checks_.empty() ? 20 : 5));
+    // often that this thread competes with the one issuing the step's GPU work. Queued checks
+    // wait for a peer's agreement, which frees their names: submit them soon after.
+    cv_.wait_for(lock, std::chrono::milliseconds(deferred_count_ ? 1 : checks_.empty() ? 20 : 5));
+    if (deferred_count_ && engine_ && error_.empty()) {
+      Engine* engine = engine_;
+      lock.unlock();  // submit_mutex_ comes before mutex_; never wait for a caller that holds it
+      std::string failed;
+      {
+        std::unique_lock<std::mutex> submitting(submit_mutex_, std::try_to_lock);
+        if (submitting.owns_lock()) {
+          try {
+            drain_deferred(engine, 0, 0);
+          } catch (const std::exception& e) {
+            failed = e.what();
+          }
+        }
+      }
+      if (!failed.empty()) abort("an argument check could not be submitted: " + failed);
+      lock.lock();
+    }
     while (!outstanding_.empty() && outstanding_.front().event->query()) outstanding_.pop_front();
     std::string reason;
     while (reason.empty() && !checks_.empty() && engine_) {
@@ -395,6 +440,22 @@ void NcclGroup::shutdown() {
   }
   // Queued work finishes first (bounded: a peer that never joins makes us abort instead).
   const int64_t deadline = now_us() + int64_t(std::min(options_.timeout_s, 30.0) * 1e6);
+  // Queued checks too: peers wait for them under their names.
+  Engine* engine;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    engine = engine_;
+  }
+  if (!failed && engine) {
+    std::lock_guard<std::mutex> submitting(submit_mutex_);
+    try {
+      while (!deferred_.empty() && now_us() < deadline) drain_deferred(engine, 0, 0.001);
+    } catch (const std::exception&) {
+      failed = true;
+    }
+    deferred_.clear();
+    deferred_count_ = 0;
+  }
   while (!failed && last && !last->query()) {
     if (now_us() > deadline) {
       failed = true;

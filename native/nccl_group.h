@@ -110,10 +110,15 @@ class NcclGroup {
   // no-op until an engine is attached.
   void check(const char* kind, OpType op, DType dtype, const std::vector<int64_t>& shape, ReduceOp reduce, int root);
 
-  // How often, and for how long in all, a check waited for the previous check of its name
-  // (more than kCheckNameWindow checks of one kind not yet agreed: a rank ahead of its peers).
+  // A check whose name's earlier holder is not yet agreed (this rank is more than
+  // kCheckNameWindow calls of one kind ahead of a peer) is queued, in call order, and submitted
+  // by a later check() or by the watchdog once that holder is agreed; the collective itself goes
+  // ahead, as it would on NCCL alone. Only with SMDDP_CUDA_CHECK_BACKLOG checks queued does the
+  // calling thread wait. check_waits: how often, and for how long in all, a caller waited;
+  // checks_deferred: how many checks were queued.
   uint64_t check_waits() const { return check_waits_; }
   uint64_t check_wait_us() const { return check_wait_us_; }
+  uint64_t checks_deferred() const { return checks_deferred_; }
 
   std::string error() const;
   void abort(const std::string& reason);
@@ -123,6 +128,12 @@ class NcclGroup {
   void check_usable() const;
   void run(int code, const char* what);
   void watchdog();
+  // Submits queued checks from the front while their names are free, until `keep` remain;
+  // waits up to `wait_s` for each name (0: not at all, -1: as long as it takes). Caller holds
+  // submit_mutex_.
+  void drain_deferred(Engine* engine, size_t keep, double wait_s);
+  bool name_free(Engine* engine, const std::string& name, double wait_s);  // earlier holder agreed?
+  void submit_check(Engine* engine, const std::string& name, const Signature& sig);
 
   int rank_, size_, device_;
   NcclOptions options_;
@@ -144,10 +155,19 @@ class NcclGroup {
   // Checks are named cuda.<kind>#<k mod kCheckNameWindow> (k: calls of that kind so far, the
   // same on every rank), so a repeating step repeats its names and the engine's response cache
   // answers them by id; the last handle of each name, to wait on before reusing it.
-  std::unordered_map<std::string, uint64_t> checks_per_kind_;
-  std::unordered_map<std::string, uint64_t> last_check_of_name_;
-  std::deque<uint64_t> checks_;
-  std::atomic<uint64_t> check_waits_{0}, check_wait_us_{0};
+  // Naming and submitting checks is serialized by submit_mutex_ (taken before mutex_, never
+  // after): two threads must not submit two holders of one name, nor reorder the queue.
+  std::mutex submit_mutex_;
+  std::unordered_map<std::string, uint64_t> checks_per_kind_;     // guarded by submit_mutex_
+  std::unordered_map<std::string, uint64_t> last_check_of_name_;  // guarded by submit_mutex_
+  struct DeferredCheck {
+    std::string name;
+    Signature sig;
+  };
+  std::deque<DeferredCheck> deferred_;     // guarded by submit_mutex_
+  std::atomic<size_t> deferred_count_{0};  // deferred_.size(), for the watchdog's polling
+  std::deque<uint64_t> checks_;            // submitted, not yet seen agreed (guarded by mutex_)
+  std::atomic<uint64_t> check_waits_{0}, check_wait_us_{0}, checks_deferred_{0};
   std::string error_;
   bool stop_ = false;
   bool destroyed_ = false;

@@ -106,6 +106,34 @@ def test_cuda_disagreeing_ranks_raise_on_every_rank(case, expected):
 
 
 @needs_two_gpus
+@pytest.mark.parametrize("backlog", ["1024", "0"])
+def test_cuda_rank_far_ahead_queues_its_checks_not_its_collectives(backlog):
+    """A rank 120 calls ahead of its peer (more than the 16 check names of a kind) queues its
+    argument checks and goes on issuing NCCL work, as NCCL alone would let it; every result is
+    exact. With SMDDP_CUDA_CHECK_BACKLOG=0 it waits instead, as before the queue existed."""
+    results = run_world(2, "torch_cuda_errors.py", ["ahead"], env={"SMDDP_CUDA_CHECK_BACKLOG": backlog},
+                        gpus=True, timeout=120)
+    assert_all_ok(results)
+    line = next(x for x in results[0].stdout.splitlines() if x.startswith("AHEAD OK"))
+    counts = dict(kv.split("=") for kv in line.split()[2:])
+    if backlog == "0":
+        assert int(counts["waits"]) > 0 and int(counts["deferred"]) > 0, line
+    else:
+        assert int(counts["deferred"]) > 0 and int(counts["waits"]) == 0, line
+
+
+@needs_two_gpus
+def test_cuda_mismatch_behind_queued_checks_raises_on_every_rank():
+    """A shape mismatch whose check was queued (its rank far ahead) still raises on both ranks."""
+    results = run_world(2, "torch_cuda_errors.py", ["ahead-shape"], env={"SMDDP_TIMEOUT": "20"}, gpus=True,
+                        timeout=120)
+    assert_all_ok(results)
+    for r in results:
+        raised = [line for line in r.stdout.splitlines() if line.startswith("RAISED:")]
+        assert raised and "disagree on the shape" in raised[0], r.output
+
+
+@needs_two_gpus
 def test_cuda_dead_peer_raises():
     """A rank that dies makes the survivor's CUDA collectives raise, naming the dead rank."""
     results = run_world(2, "torch_cuda_errors.py", ["dead"], env={"SMDDP_TIMEOUT": "10"}, gpus=True, timeout=120)

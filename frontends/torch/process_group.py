@@ -161,11 +161,14 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             return None
         n = self._splits.get(members, 0)
         self._splits[members] = n + 1
-        # The child's keys: its members and how many times they split before. Each member
-        # computes the same name whatever other groups it split, and sibling groups handed one
-        # store do not share keys (two communicators bootstrapped from one key never start).
+        # The child's keys live in this group's own store (which every member of the child
+        # shares, whatever store torch hands each rank for the split), named by the child's
+        # members and how many times they split before: each member computes the same name
+        # whatever other groups it split, and sibling groups do not share keys (two
+        # communicators bootstrapped from one key never start).
+        del store
         prefix = f"smddp/split/{'-'.join(map(str, members))}/{n}/"
-        child = ProcessGroupSMDDP(dist.PrefixStore(prefix, store), members.index(self.rank()),
+        child = ProcessGroupSMDDP(dist.PrefixStore(prefix, self._store), members.index(self.rank()),
                                   len(members), timedelta(milliseconds=timeout_ms))
         from . import native_backend
 

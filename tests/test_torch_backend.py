@@ -1,6 +1,7 @@
 """The "smddp" torch.distributed backend: every collective x dtype against a single-process
 computation, bad input and disagreeing ranks, sub-groups and a gloo group beside it."""
 import functools
+import json
 
 import pytest
 
@@ -139,6 +140,19 @@ def test_subgroups_and_gloo_beside_smddp():
     results = run_world(3, "torch_groups.py")
     assert_all_ok(results)
     assert all("GROUPS OK" in r.stdout for r in results)
+
+
+def test_groups_cost_nothing_until_first_used():
+    """Eight groups (what pipeline x data parallel makes) are created without starting a thread,
+    in well under a second; each one's engine comes with its first collective, whose results
+    are exact."""
+    results = run_world(3, "torch_group_cost.py", timeout=120)
+    assert_all_ok(results)
+    for r in results:
+        report = json.loads(next(x for x in r.stdout.splitlines() if x.startswith("GROUP COST {"))[len("GROUP COST "):])
+        assert report["threads_after_create"] == report["threads_before"], report
+        assert report["create_s"] < 0.5, report
+        assert "GROUP COST OK" in r.stdout
 
 
 def test_split_groups_agree_on_their_keys():

@@ -53,6 +53,8 @@ namespace __attribute__((visibility("hidden"))) smddp_torch {
     // finishing it (the thread's sweep). A wake-up per operation cost send/recv 2x its latency.
     void track(const c10::intrusive_ptr<CpuWork>& work, const std::vector<uint64_t>& handles);
     // The completion thread completes these as soon as the engine finishes them (futures).
+    // The thread starts with the first watch: a group whose Works are only waited on (or
+    // polled, or dropped) never has one.
     void watch(const std::vector<uint64_t>& handles);
     // Hands a finished operation's result to its Work now, from the calling thread, unless
     // another thread already has (whichever comes first does it, once).
@@ -66,8 +68,12 @@ namespace __attribute__((visibility("hidden"))) smddp_torch {
 
    private:
     void run();
+    void start_thread();
     // Completes every unwatched operation that the engine has finished.
     void sweep();
+    // Without a thread: hands what the engine finishes to its Works, waiting for each unless
+    // abandoning, and fails the rest.
+    void finish_without_thread();
     static void on_completion(void* self, uint64_t handle);
 
     void* engine_;
@@ -77,6 +83,8 @@ namespace __attribute__((visibility("hidden"))) smddp_torch {
     std::atomic<bool> stop_{false};
     std::atomic<bool> abandon_{false};    // exiting: do not wait for pending operations
     std::atomic<uint64_t> completed_{0};  // by on_completion, from any thread
+    std::mutex thread_mutex_;             // guards starting, joining and detaching thread_
+    std::atomic<bool> thread_started_{false};
     std::thread thread_;
   };
 

@@ -39,9 +39,16 @@ void load_core(py::capsule capsule) {
 // -- EngineLink ----------------------------------------------------------------------------
 
 EngineLink::EngineLink(void* engine, py::object owner) : engine_(engine), owner_(std::move(owner)) {
-  thread_ = std::thread([this] { run(); });
   std::lock_guard<std::mutex> lock(g_links_mutex);
   g_links.push_back(this);
+}
+
+void EngineLink::start_thread() {
+  if (thread_started_.load()) return;
+  std::lock_guard<std::mutex> lock(thread_mutex_);
+  if (thread_started_.load() || stop_) return;
+  thread_ = std::thread([this] { run(); });
+  thread_started_ = true;
 }
 
 EngineLink::~EngineLink() {
@@ -55,14 +62,39 @@ EngineLink::~EngineLink() {
 }
 
 void EngineLink::stop() {
-  stop_ = true;
-  if (thread_.joinable()) {
-    if (thread_.get_id() == std::this_thread::get_id()) {
-      thread_.detach();  // the last Work was released by its own completion
-    } else {
-      thread_.join();
+  bool had_thread;
+  {
+    std::lock_guard<std::mutex> lock(thread_mutex_);
+    stop_ = true;
+    had_thread = thread_started_.load();
+    if (thread_.joinable()) {
+      if (thread_.get_id() == std::this_thread::get_id()) {
+        thread_.detach();  // the last Work was released by its own completion
+      } else {
+        thread_.join();
+      }
     }
   }
+  if (!had_thread) finish_without_thread();
+}
+
+void EngineLink::finish_without_thread() {
+  std::vector<uint64_t> pending;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& kv : works_) pending.push_back(kv.first);
+  }
+  // The engine finishes each (or fails it: a shut-down engine fails what was pending, a live
+  // one at its timeout) before its buffers may go, as the thread would have waited for them.
+  if (!abandon_)
+    for (uint64_t h : pending) core().engine_wait_done(engine_, h, -1.0);
+  sweep();
+  std::unordered_map<uint64_t, c10::intrusive_ptr<CpuWork>> left;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    left.swap(works_);
+  }
+  for (auto& kv : left) kv.second->handle_done("smddp: the process group was shut down before this operation ended");
 }
 
 void EngineLink::stop_all_at_exit() {
@@ -74,12 +106,24 @@ void EngineLink::stop_all_at_exit() {
   }
 }
 
+namespace {
+// Without a completion thread, Works never waited on are swept by the calls that track new
+// ones once this many are tracked, so a fire-and-forget loop does not keep its buffers.
+constexpr size_t kSweepWithoutThreadAt = 64;
+}  // namespace
+
 void EngineLink::track(const c10::intrusive_ptr<CpuWork>& work, const std::vector<uint64_t>& handles) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  for (uint64_t h : handles) works_[h] = work;
+  size_t tracked;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (uint64_t h : handles) works_[h] = work;
+    tracked = works_.size();
+  }
+  if (tracked >= kSweepWithoutThreadAt && !thread_started_.load()) sweep();
 }
 
 void EngineLink::watch(const std::vector<uint64_t>& handles) {
+  start_thread();
   for (uint64_t h : handles) core().engine_watch(engine_, h);  // a released handle is ignored
 }
 

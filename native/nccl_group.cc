@@ -308,7 +308,6 @@ void NcclGroup::check(const char* kind, OpType op, DType dtype, const std::vecto
   checks_deferred_++;
   deferred_.push_back({std::move(name), std::move(sig)});
   drain_deferred(engine, size_t(engine->config().cuda_check_backlog), -1);  // waits only past the limit
-  deferred_count_ = deferred_.size();
   if (deferred_count_) cv_.notify_all();  // the watchdog submits the rest as names free up
 }
 

@@ -153,7 +153,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         s = gpu.stream
         return gpu.nccl, s.stream_id, s.device_index, s.device_type
 
-    def _split(self, store, ranks, timeout_ms: int):
+    def _split(self, _torch_store, ranks, timeout_ms: int):
         """torch's split_group: the child group over `ranks` (ranks of this group), or None on a
         rank outside it. Its engine and communicator are made on first use, as for any group."""
         members = tuple(sorted(int(r) for r in ranks))
@@ -166,7 +166,6 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         # members and how many times they split before: each member computes the same name
         # whatever other groups it split, and sibling groups do not share keys (two
         # communicators bootstrapped from one key never start).
-        del store
         prefix = f"smddp/split/{'-'.join(map(str, members))}/{n}/"
         child = ProcessGroupSMDDP(dist.PrefixStore(prefix, self._store), members.index(self.rank()),
                                   len(members), timedelta(milliseconds=timeout_ms))

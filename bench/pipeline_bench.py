@@ -56,6 +56,8 @@ p.add_argument("--only", default="single,torch,smp")
 p.add_argument("--pipelines", default="simple,interleaved")
 p.add_argument("--act-ckpt", action="store_true",
                help="also time smp with every layer under smp.set_activation_checkpointing (suffix _ckpt)")
+p.add_argument("--graphs", action="store_true",
+               help="also time smp with its stages replayed as CUDA graphs (SMDDP_SMP_CUDA_GRAPHS; suffix _graphs)")
 p.add_argument("--active", default="", help="also time smp interleaved with these active_microbatches")
 p.add_argument("--memory", action="store_true", help="CPU: sample each step's peak resident memory (see above)")
 p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
@@ -190,6 +192,8 @@ def main():
         entry = dict(step_ms=t * 1e3, samples_s=replicas * B / t, peak_gb=peaks)
         if args.device == "cuda":
             entry["held_before_gb"] = held
+            # Reserved counts what graph pools hold between replays (allocated does not).
+            entry["peak_reserved_gb"] = all_reserved()
         if single:
             speedup = replicas * single / t
             ideal = replicas * (pp * m / (m + pp - 1) if m else 1)
@@ -206,6 +210,12 @@ def main():
         ts = [torch.zeros_like(t) for _ in range(world)]
         dist.all_gather(ts, t, group=peer_group)
         return [v[0].item() for v in ts], [v[1].item() for v in ts]
+
+    def all_reserved():
+        t = torch.tensor([torch.cuda.max_memory_reserved() / 2**30], device=dev)
+        ts = [torch.zeros_like(t) for _ in range(world)]
+        dist.all_gather(ts, t, group=peer_group)
+        return [v.item() for v in ts]
 
     def whole_model_step(wrap=lambda m: m):
         """A training step of the whole model (wrapped, for DDP), its memory peak reset."""
@@ -265,8 +275,9 @@ def main():
         opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
         train_step = smp_train_step(smp)
         base = smp._state.cfg
-        for suffix in ("", "_ckpt") if args.act_ckpt else ("",):
-            if suffix:  # every encoder layer keeps only its input; activations recomputed in backward
+        suffixes = [""] + (["_graphs"] if args.graphs else []) + (["_ckpt"] if args.act_ckpt else [])
+        for suffix in suffixes:
+            if suffix == "_ckpt":  # every encoder layer keeps only its input; activations recomputed in backward
                 smp.set_activation_checkpointing(model.module, strategy="each")
             runs = [(pipeline, None) for pipeline in args.pipelines.split(",")]
             runs += [("interleaved", int(a)) for a in args.active.split(",") if a]
@@ -278,6 +289,10 @@ def main():
                     # them: torch's stages start each configuration without any, and
                     # held_before_gb compares what the runtimes keep, not the gradients.
                     opt.zero_grad(set_to_none=True)
+                    if args.graphs and model._runtime is not None:  # the runtime exists after the first step
+                        graphs = model._runtime.graphs
+                        graphs.clear()  # the previous configuration's graphs and their pools
+                        graphs.enabled = suffix == "_graphs"
                     peak_reset()
 
                     def step():

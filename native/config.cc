@@ -83,6 +83,12 @@ const std::vector<ConfigVar>& config_table() {
        "starts each microbatch's backward from its own copy of the loss (as a last pipeline stage "
        "does), saving two messages per microbatch; needs the step function to compute the same "
        "loss from the same output on every rank. 0: the root sends the output's gradient"},
+      {"SMDDP_SMP_CUDA_GRAPHS", "0",
+       "smp pipelines on CUDA: 1: a run of consecutive nn.Sequential children that a stage owns "
+       "entirely is captured as CUDA graphs (forward and backward) after two eager runs of its "
+       "shape, and replayed for later microbatches of that shape, one graph pair per microbatch "
+       "in flight (the host issues two launches instead of hundreds). Results equal the eager "
+       "run's as long as the children's Python code takes the same path every call. 0: eager"},
       {"SMDDP_CONSISTENCY_CHECK", "1",
        "1: once per training loop (the second gradient reduction of each TensorFlow tape or "
        "optimizer, and after the second batch of model.fit with the broadcast callback) the ranks "

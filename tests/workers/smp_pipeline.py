@@ -1,7 +1,7 @@
 """Pipeline training equivalence: N steps through smp on this world against one process
 training the same model on the same batches. Prints one JSON line per rank.
 
-argv: model (seq | skip | tied | gpt), mode (auto | manual), pipeline (simple | interleaved), partitions,
+argv: model (seq | skip | tied | gpt | enc), mode (auto | manual), pipeline (simple | interleaved), partitions,
 microbatches, steps.
 """
 import gc
@@ -116,8 +116,19 @@ class MiniGpt(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+def encoder_stack():
+    """A Sequential of transformer encoder layers (attention, layer norm, GELU-free MLP) between
+    a projection into 4 tokens and a head: what the pipeline benchmark runs, made small."""
+    layers = [nn.Linear(8, 4 * WIDTH), nn.Unflatten(1, (4, WIDTH))]
+    layers += [nn.TransformerEncoderLayer(WIDTH, 2, 4 * WIDTH, dropout=0.0, batch_first=True) for _ in range(4)]
+    layers += [nn.Flatten(1), nn.Linear(4 * WIDTH, 4)]
+    return nn.Sequential(*layers)
+
+
 def build():
     torch.manual_seed(1234)
+    if MODEL == "enc":
+        return encoder_stack()
     if MODEL == "tied":
         return TiedLM(PARTS)
     if MODEL == "gpt":
@@ -227,7 +238,7 @@ def main():
     report("trained", rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(), param_rel_err=worst,
            loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses,
            output_backwards=model._runtime.output_backwards, kept_after_steps=step_tensors_alive(),
-           forward_threads=len(forward_threads))
+           forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters))
 
 
 def step_tensors_alive():

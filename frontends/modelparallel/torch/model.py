@@ -297,6 +297,7 @@ class DistributedModel(nn.Module):
                                   local_device())
         runtime.root = self.module
         runtime.root_owner = assignment[""]
+        runtime.local_module_ids = {id(m) for path, m in self.module.named_modules() if assignment[path] == me}
         for path, m in self.module.named_modules():
             runtime.modules[path] = m
             owner = assignment[path]
@@ -334,10 +335,7 @@ class DistributedModel(nn.Module):
                 while j < len(children) and owners[j] == owners[i]:
                     j += 1
                 if owners[i] == me:
-                    for n, child in enumerate(children[i:j]):
-                        if n:
-                            runtime.yield_to_older_work()
-                        x = child(x)
+                    x = runtime.run_local_children((path, i, j), children[i:j], x)
                 else:
                     # The root's last children, when remote, produce the model's output itself:
                     # their owner may start the backward from its own copy of the loss.

@@ -34,6 +34,7 @@ import torch
 from smdistributed.common import config
 
 from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
+from .stage_graphs import StageGraphs
 from .wire import Links, Message, encode, take
 from .timeline import Timeline
 from .workers import TaskHandle, WorkerPool
@@ -64,6 +65,7 @@ class Task:
     model_calls: int = 0
     reached_backward: bool = False
     output_producer: Optional[int] = None  # the rank that keeps this model call's output (call_remote)
+    leases: List[Any] = field(default_factory=list)  # graph instances its forward used (stage_graphs.py)
 
 
 @dataclass
@@ -71,6 +73,7 @@ class ServedFrame:
     inputs: List[torch.Tensor]
     outputs: List[torch.Tensor]
     calls: List[RemoteCall]
+    leases: List[Any] = field(default_factory=list)  # freed when its backward is done
 
 
 _local = threading.local()
@@ -109,6 +112,9 @@ class PipelineRuntime:
         self.timeline = Timeline(global_ranks[pp_rank])
         if self.timeline.enabled:
             links.timeline = self.timeline
+        self.graphs = StageGraphs(config.value("SMDDP_SMP_CUDA_GRAPHS") == "1" and device.type == "cuda")
+        self.local_module_ids: set = set()  # id() of every module this rank owns (set by the model)
+        self._graphable_runs: Dict[tuple, List[torch.nn.Module]] = {}  # run -> its modules ([]: not local)
         self._reset()
 
     # -- step --------------------------------------------------------------------------------
@@ -146,6 +152,8 @@ class PipelineRuntime:
         self._pool.ensure(len(microbatches) + self.pp_size + 1)
         self.pipeline, self.active = pipeline, active
         self.num_microbatches = len(microbatches)
+        # A graphed run needs an instance per microbatch in flight on this stage.
+        self.graphs.limit = len(microbatches) if pipeline == "simple" else min(active, len(microbatches))
         self.grad_scale = 1.0 / len(microbatches) if average else 1.0
         self._autocast = autocast
         results: List[Any] = [None] * len(microbatches)
@@ -175,6 +183,8 @@ class PipelineRuntime:
         except BaseException as e:  # KeyboardInterrupt on this rank: tell the others
             self._abort(e)
             raise
+        finally:
+            self.graphs.release_all()  # frames that never had a backward (evaluation, a failure)
         if self._error is not None:
             self._broken = str(self._error)
             if isinstance(self._error, StepFailed):
@@ -222,6 +232,7 @@ class PipelineRuntime:
                         StepFailed(self._describe(f"the step function of microbatch {mb} raised", e)))
         finally:
             _local.task = None
+            self.graphs.release(task.leases)  # its backward on this rank is done
             with self._lock:
                 unstarted = self._output_frames.pop(mb, None)
             if unstarted is not None and self._error is None:
@@ -455,6 +466,35 @@ class PipelineRuntime:
         self._token.release()
         self._token.acquire(self._prio(task), self._label(task))
 
+    def run_local_children(self, run_id: tuple, children: List[torch.nn.Module], x):
+        """`children` (consecutive children of a Sequential, all on this rank) applied in turn
+        to `x`: replayed as CUDA graphs where stage_graphs.py can, else eagerly, stepping aside
+        between children for older work."""
+        def eager():
+            out = x
+            for n, child in enumerate(children):
+                if n:
+                    self.yield_to_older_work()
+                out = child(out)
+            return out
+
+        task = current_task()
+        if not self.graphs.enabled or task is None or task.phase != FORWARD or not self._graphable(run_id, children):
+            return eager()
+        return self.graphs.run(run_id, children, x, task.leases, eager)
+
+    def _graphable(self, run_id: tuple, children: List[torch.nn.Module]) -> bool:
+        """Whether a run is local through and through: a submodule on another partition would
+        make a remote call inside the capture, and a checkpointed one recomputes in backward."""
+        subs = self._graphable_runs.get(run_id)
+        if subs is None:
+            subs = [m for c in children for m in c.modules()]
+            if not all(id(m) in self.local_module_ids for m in subs):
+                subs = []
+            self._graphable_runs[run_id] = subs
+        # Checked at each call: a module may be marked after the partition.
+        return bool(subs) and all(getattr(m, "_smp_checkpoint", None) is None for m in subs)
+
     def _without_token(self, fn):
         """Sends can wait on the network: other work of this rank runs meanwhile."""
         task = current_task()
@@ -581,19 +621,18 @@ class PipelineRuntime:
             if f["span"] is None:
                 out = module(*args, **kwargs)
             else:
-                out = args[0]
-                for n, child in enumerate(list(module)[f["span"][0]:f["span"][1]]):
-                    if n:
-                        self.yield_to_older_work()
-                    out = child(out)
+                a, b = f["span"]
+                out = self.run_local_children((f["path"], a, b), list(module)[a:b], args[0])
         meta, out_tensors, _ = encode(Message("fwd_done", {"id": f["id"]}, out))
         outputs = [t for t in out_tensors if t.requires_grad]
         local = out if f.get("output") else None  # the caller sends this rank no copy of it
         if outputs:  # stored before the reply goes: the caller's backward may follow at once
             with self._lock:
-                self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls)
+                self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls, task.leases)
                 if local is not None:
                     self._output_frames[f["mb"]] = f["id"]
+        else:
+            self.graphs.release(task.leases)
         if local is not None:
             # The step function here may change its output in place while the reply is still
             # being sent: the reply carries copies.
@@ -615,6 +654,7 @@ class PipelineRuntime:
         try:
             self._backward(frame.calls, frame.outputs if seeds is None else seeds, seed_grads)
         finally:
+            self.graphs.release(frame.leases)
             with self._lock:
                 self._serving_backward -= 1
         return [t.grad for t in frame.inputs]

@@ -1,0 +1,270 @@
+"""CUDA graphs of a stage's local runs of Sequential children (SMDDP_SMP_CUDA_GRAPHS=1).
+
+Why: a pipeline stage's microbatch is small, so its eager forward and backward are bound by
+the host issuing kernels, not by the GPU running them. Measured on one H200 for 8 of the
+pipeline benchmark's encoder layers (bench/results/stage_graph_probe_h200_2026-11-26.md):
+13.5 ms a microbatch of 16 samples eagerly, 8.3 ms replayed as graphs. Replaying a captured
+forward and backward costs the host two launches instead of hundreds.
+
+What is graphed: a run of consecutive children of an nn.Sequential that this rank owns
+entirely (every submodule local, none marked for activation checkpointing), called with
+gradients on and one CUDA tensor in and one out. Everything else runs eagerly, as does any
+run until its shape has run eagerly WARMUP_CALLS times (the eager runs are real microbatches,
+and they make the libraries' lazy set-up happen outside a capture).
+
+Instances. A replay of a captured forward overwrites the activations it saved for its
+backward, so each microbatch in flight needs a graph pair of its own: an instance is leased
+to the task that ran its forward (a microbatch on the root, a served call on other ranks) and
+freed when that task's backward is done (a skip connection can run one backward node twice,
+in two segments, so not at the first backward replay). There are at most as many instances
+of one run as microbatches the schedule keeps in flight ("simple": all of them; "interleaved":
+`active_microbatches`); a run that finds none free runs eagerly. Each instance has a memory
+pool of its own, held for the life of the model: the activations of one microbatch.
+
+Gradients. The backward graph computes the parameters' gradients into buffers of its own;
+they are added to `.grad` with two multi-tensor kernels after each backward replay (one
+kernel per parameter would cost the host again what the graph saved). Hooks registered on
+a parameter's gradient accumulation do not run for a graphed run.
+
+Results equal the eager run's (the same kernels on the same data); Python code inside the run
+that would decide differently from call to call (data-dependent branches, a step counter)
+does not, which is why this is opt-in. Capture uses CUDA's thread-local capture mode: the
+receiver threads go on issuing NCCL work while a stage captures.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+WARMUP_CALLS = 2  # eager runs of a shape before its first capture
+SHAPES_PER_RUN = 2  # graphed shapes of one run (a short last batch is one more); others run eagerly
+
+log = logging.getLogger("smdistributed.modelparallel")
+
+
+class NotGraphable(Exception):
+    """The run cannot be captured (its reason is the message); it runs eagerly from now on."""
+
+
+class _Instance:
+    """One captured forward/backward pair with its static inputs and outputs."""
+
+    def __init__(self, modules: Sequence[nn.Module], params: List[nn.Parameter], x: torch.Tensor,
+                 stream: torch.cuda.Stream, autocast_dtype: Optional[torch.dtype]):
+        self.params = params
+        self.busy = False
+        pool = torch.cuda.graph_pool_handle()
+        self.static_in = torch.empty_like(x, memory_format=torch.contiguous_format)
+        self.static_in.requires_grad_(x.requires_grad)
+        stream.wait_stream(torch.cuda.current_stream())
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            _warm_libraries(x.dtype if autocast_dtype is None else autocast_dtype)
+            with _capturing(self.fwd, pool), _autocast_without_cache(autocast_dtype):
+                out = self.static_in
+                for m in modules:
+                    out = m(out)
+            if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
+                raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
+            self.static_out = out.detach()
+            self.static_grad_out = torch.empty_like(out)
+            wrt = ([self.static_in] if x.requires_grad else []) + params
+            with _capturing(self.bwd, pool):
+                grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.static_in = self.static_in.detach()  # a plain buffer from now on, in no autograd graph
+        self.static_grad_in = grads[0] if x.requires_grad else None
+        self.static_param_grads = list(grads[1:] if x.requires_grad else grads)
+
+    def accumulate_param_grads(self) -> None:
+        """Adds the replayed parameter gradients to `.grad` (a new `.grad` where there is none)."""
+        adds, add_src, fresh, fresh_src = [], [], [], []
+        for p, g in zip(self.params, self.static_param_grads):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = torch.empty_like(p, memory_format=torch.preserve_format)
+                fresh.append(p.grad)
+                fresh_src.append(g)
+            elif p.grad.dtype == g.dtype and p.grad.shape == g.shape:
+                adds.append(p.grad)
+                add_src.append(g)
+            else:
+                p.grad.add_(g)
+        if fresh:
+            torch._foreach_copy_(fresh, fresh_src)
+        if adds:
+            torch._foreach_add_(adds, add_src)
+
+
+class _Capture:
+    def __init__(self, graph: torch.cuda.CUDAGraph, pool):
+        self.graph, self.pool = graph, pool
+
+    def __enter__(self):
+        self.graph.capture_begin(self.pool, capture_error_mode="thread_local")
+
+    def __exit__(self, *exc):
+        self.graph.capture_end()  # raises when the capture was invalidated
+        return False
+
+
+def _capturing(graph, pool) -> _Capture:
+    return _Capture(graph, pool)
+
+
+def _autocast_without_cache(dtype: Optional[torch.dtype]):
+    # Autocast's cache of cast weights would hold tensors of the graph's pool past the capture.
+    return torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=dtype is not None)
+
+
+def _warm_libraries(dtype: torch.dtype) -> None:
+    """cuBLAS makes a handle per thread and a workspace per (handle, stream) at first use; a
+    capture must not be the first use in this thread on the capture stream."""
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        dtype = torch.float32
+    a = torch.ones(16, 16, device="cuda", dtype=dtype)
+    torch.addmm(a, a, a)
+
+
+class _GraphedRun(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inst: _Instance, x: torch.Tensor, _grad_anchor: nn.Parameter):
+        inst.static_in.copy_(x)
+        inst.fwd.replay()
+        ctx.inst = inst
+        # A copy: the next replay of this instance overwrites static_out, and the caller may
+        # keep its output longer (a send in flight, the step's returned outputs).
+        return inst.static_out.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        inst = ctx.inst
+        inst.static_grad_out.copy_(grad_out)
+        inst.bwd.replay()
+        inst.accumulate_param_grads()
+        grad_in = inst.static_grad_in.clone() if inst.static_grad_in is not None else None
+        return None, grad_in, None
+
+
+class _Entry:
+    def __init__(self):
+        self.instances: List[_Instance] = []
+        self.eager_calls = 0
+        self.fingerprint: Tuple[int, ...] = ()
+
+
+class StageGraphs:
+    """The graphed runs of one rank's stage; the runtime sets `limit` at each step."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and torch.cuda.is_available()
+        self.limit = 1
+        self.counters = {"replays": 0, "captures": 0, "eager": 0, "no_free_instance": 0}
+        self._lock = threading.Lock()
+        self._entries: Dict[tuple, _Entry] = {}
+        self._refused: Dict[tuple, str] = {}  # run -> why it cannot be graphed
+        self._stream: Optional[torch.cuda.Stream] = None
+
+    def run(self, run_id: tuple, modules: Sequence[nn.Module], x, leases: List[_Instance], eager):
+        """The output of `modules` applied in turn to `x`: replayed when it can be, else
+        `eager()`. A leased instance is appended to `leases` (freed by `release`)."""
+        key = self._key(run_id, modules, x)
+        if key is None:
+            self.counters["eager"] += 1
+            return eager()
+        params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        inst = self._lease(key, modules, params, x)
+        if inst is None:
+            self.counters["eager"] += 1
+            return eager()
+        leases.append(inst)
+        self.counters["replays"] += 1
+        # One of the run's parameters goes in as an input only so that the output needs a
+        # gradient when `x` does not (the first stage); its gradient comes through
+        # accumulate_param_grads with the others.
+        return _GraphedRun.apply(inst, x, inst.params[0])
+
+    def release(self, leases: List[_Instance]) -> None:
+        with self._lock:
+            for inst in leases:
+                inst.busy = False
+        leases.clear()
+
+    def clear(self) -> None:
+        """Drops every captured instance and its memory (between steps only)."""
+        with self._lock:
+            self._entries.clear()
+            self._refused.clear()
+
+    def release_all(self) -> None:
+        with self._lock:
+            for entry in self._entries.values():
+                for inst in entry.instances:
+                    inst.busy = False
+
+    def _key(self, run_id, modules, x) -> Optional[tuple]:
+        if not (self.enabled and isinstance(x, torch.Tensor) and x.is_cuda and torch.is_grad_enabled()):
+            return None
+        if run_id in self._refused or torch.is_inference_mode_enabled():
+            return None
+        autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+        return (run_id, tuple(x.shape), x.dtype, x.requires_grad, x.device.index, autocast,
+                tuple(m.training for m in modules))
+
+    def _lease(self, key, modules, params, x) -> Optional[_Instance]:
+        # Parameters and buffers replaced (not updated in place) since a capture: that
+        # capture reads the old memory, so the run starts over.
+        fingerprint = tuple(t.data_ptr() for m in modules for t in (*m.parameters(), *m.buffers()))
+        with self._lock:
+            entry = self._entries.setdefault(key, _Entry())
+            if entry.fingerprint != fingerprint:
+                if any(i.busy for i in entry.instances):
+                    return None
+                entry.instances, entry.eager_calls, entry.fingerprint = [], 0, fingerprint
+            for inst in entry.instances:
+                if not inst.busy:
+                    inst.busy = True
+                    return inst
+            if entry.eager_calls < WARMUP_CALLS:
+                entry.eager_calls += 1
+                return None
+            if len(entry.instances) >= self.limit:
+                self.counters["no_free_instance"] += 1
+                return None
+            if not entry.instances and sum(1 for k, e in self._entries.items()
+                                           if k[0] == key[0] and e.instances) >= SHAPES_PER_RUN:
+                return None
+        if not params:
+            self._refuse(key[0], "it has no parameters that need a gradient")
+            return None
+        try:
+            inst = self._capture(modules, params, x, key[5])
+        except NotGraphable as e:
+            self._refuse(key[0], str(e))
+            return None
+        except RuntimeError as e:  # CUDA refused the capture (a synchronizing call inside, say)
+            self._refuse(key[0], f"capturing it failed: {e}")
+            return None
+        inst.busy = True
+        with self._lock:
+            entry.instances.append(inst)
+            self.counters["captures"] += 1
+        return inst
+
+    def _capture(self, modules, params, x, autocast_dtype) -> _Instance:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(x.device)
+        return _Instance(modules, params, x, self._stream, autocast_dtype)
+
+    def _refuse(self, run_id, why: str) -> None:
+        with self._lock:
+            first = run_id not in self._refused
+            self._refused[run_id] = why
+        if first:
+            log.warning("smp: CUDA graphs: %s runs eagerly: %s", run_id, why)

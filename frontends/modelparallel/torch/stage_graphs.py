@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -53,10 +54,20 @@ class NotGraphable(Exception):
 class _Instance:
     """One captured forward/backward pair with its static inputs and outputs."""
 
-    def __init__(self, modules: Sequence[nn.Module], params: List[nn.Parameter], x: torch.Tensor,
-                 stream: torch.cuda.Stream, autocast_dtype: Optional[torch.dtype]):
-        self.params = params
+    def __init__(self, modules: Sequence[nn.Module], x: torch.Tensor, stream: torch.cuda.Stream,
+                 autocast_dtype: Optional[torch.dtype]):
         self.busy = False
+        run = nn.Sequential(*modules)  # a view of the children for functional_call; owns nothing new
+        named = [(n, p) for n, p in run.named_parameters() if p.requires_grad]
+        if not named:
+            raise NotGraphable("it has no parameters that need a gradient")
+        self.params = [p for _, p in named]
+        # The capture runs on fresh leaves that share the parameters' memory. A parameter's own
+        # gradient node was made by an eager run on the legacy default stream, and autograd
+        # would make that stream wait on the capture (CUDA refuses: "operation would make the
+        # legacy stream depend on a capturing blocking stream"); an alias's node is made here,
+        # on the capture stream.
+        aliases = {n: p.detach().requires_grad_() for n, p in named}
         pool = torch.cuda.graph_pool_handle()
         self.static_in = torch.empty_like(x, memory_format=torch.contiguous_format)
         self.static_in.requires_grad_(x.requires_grad)
@@ -65,14 +76,12 @@ class _Instance:
         with torch.cuda.stream(stream):
             _warm_libraries(x.dtype if autocast_dtype is None else autocast_dtype)
             with _capturing(self.fwd, pool), _autocast_without_cache(autocast_dtype):
-                out = self.static_in
-                for m in modules:
-                    out = m(out)
+                out = torch.func.functional_call(run, aliases, (self.static_in,), strict=False, tie_weights=True)
             if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
                 raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
             self.static_out = out.detach()
             self.static_grad_out = torch.empty_like(out)
-            wrt = ([self.static_in] if x.requires_grad else []) + params
+            wrt = ([self.static_in] if x.requires_grad else []) + list(aliases.values())
             with _capturing(self.bwd, pool):
                 grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True)
         torch.cuda.current_stream().wait_stream(stream)
@@ -108,8 +117,14 @@ class _Capture:
     def __enter__(self):
         self.graph.capture_begin(self.pool, capture_error_mode="thread_local")
 
-    def __exit__(self, *exc):
-        self.graph.capture_end()  # raises when the capture was invalidated
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.graph.capture_end()  # raises when the capture was invalidated
+            return False
+        try:  # the error inside the capture is the one to report, not the invalidated capture's
+            self.graph.capture_end()
+        except RuntimeError:
+            pass
         return False
 
 
@@ -178,8 +193,7 @@ class StageGraphs:
         if key is None:
             self.counters["eager"] += 1
             return eager()
-        params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        inst = self._lease(key, modules, params, x)
+        inst = self._lease(key, modules, x)
         if inst is None:
             self.counters["eager"] += 1
             return eager()
@@ -217,7 +231,7 @@ class StageGraphs:
         return (run_id, tuple(x.shape), x.dtype, x.requires_grad, x.device.index, autocast,
                 tuple(m.training for m in modules))
 
-    def _lease(self, key, modules, params, x) -> Optional[_Instance]:
+    def _lease(self, key, modules, x) -> Optional[_Instance]:
         # Parameters and buffers replaced (not updated in place) since a capture: that
         # capture reads the old memory, so the run starts over.
         fingerprint = tuple(t.data_ptr() for m in modules for t in (*m.parameters(), *m.buffers()))
@@ -240,16 +254,14 @@ class StageGraphs:
             if not entry.instances and sum(1 for k, e in self._entries.items()
                                            if k[0] == key[0] and e.instances) >= SHAPES_PER_RUN:
                 return None
-        if not params:
-            self._refuse(key[0], "it has no parameters that need a gradient")
-            return None
         try:
-            inst = self._capture(modules, params, x, key[5])
+            inst = self._capture(modules, x, key[5])
         except NotGraphable as e:
             self._refuse(key[0], str(e))
             return None
         except RuntimeError as e:  # CUDA refused the capture (a synchronizing call inside, say)
-            self._refuse(key[0], f"capturing it failed: {e}")
+            where = "".join(traceback.format_tb(e.__traceback__)[-4:])
+            self._refuse(key[0], f"capturing it failed: {str(e).splitlines()[0]}\n{where}")
             return None
         inst.busy = True
         with self._lock:
@@ -257,10 +269,10 @@ class StageGraphs:
             self.counters["captures"] += 1
         return inst
 
-    def _capture(self, modules, params, x, autocast_dtype) -> _Instance:
+    def _capture(self, modules, x, autocast_dtype) -> _Instance:
         if self._stream is None:
             self._stream = torch.cuda.Stream(x.device)
-        return _Instance(modules, params, x, self._stream, autocast_dtype)
+        return _Instance(modules, x, self._stream, autocast_dtype)
 
     def _refuse(self, run_id, why: str) -> None:
         with self._lock:

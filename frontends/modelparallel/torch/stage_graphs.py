@@ -73,18 +73,18 @@ class _Instance:
         self.static_in.requires_grad_(x.requires_grad)
         stream.wait_stream(torch.cuda.current_stream())
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            _warm_libraries(x.dtype if autocast_dtype is None else autocast_dtype)
-            with _capturing(self.fwd, pool), _autocast_without_cache(autocast_dtype):
-                out = torch.func.functional_call(run, aliases, (self.static_in,), strict=False, tie_weights=True)
-            if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
-                raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
-            self.static_out = out.detach()
-            self.static_grad_out = torch.empty_like(out)
-            wrt = ([self.static_in] if x.requires_grad else []) + list(aliases.values())
-            with _capturing(self.bwd, pool):
-                grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True)
-        torch.cuda.current_stream().wait_stream(stream)
+        try:
+            with torch.cuda.stream(stream):
+                _warm_run(run, aliases, x, autocast_dtype)
+                with _capturing(self.fwd, pool), _autocast_without_cache(autocast_dtype):
+                    out = torch.func.functional_call(run, aliases, (self.static_in,), strict=False, tie_weights=True)
+                self.static_out = out.detach()
+                self.static_grad_out = torch.empty_like(out)
+                wrt = ([self.static_in] if x.requires_grad else []) + list(aliases.values())
+                with _capturing(self.bwd, pool):
+                    grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True)
+        finally:  # the warm run read `x` there, and the caller's stream goes on with it
+            torch.cuda.current_stream().wait_stream(stream)
         self.static_in = self.static_in.detach()  # a plain buffer from now on, in no autograd graph
         self.static_grad_in = grads[0] if x.requires_grad else None
         self.static_param_grads = list(grads[1:] if x.requires_grad else grads)
@@ -137,13 +137,27 @@ def _autocast_without_cache(dtype: Optional[torch.dtype]):
     return torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=dtype is not None)
 
 
-def _warm_libraries(dtype: torch.dtype) -> None:
-    """cuBLAS makes a handle per thread and a workspace per (handle, stream) at first use; a
-    capture must not be the first use in this thread on the capture stream."""
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        dtype = torch.float32
-    a = torch.ones(16, 16, device="cuda", dtype=dtype)
-    torch.addmm(a, a, a)
+def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional[torch.dtype]) -> None:
+    """One uncaptured forward and backward in this thread on the capture stream, just before
+    the capture. cuBLAS and cuDNN make their handles, workspaces and attention plans per
+    thread (and per stream) at first use, with allocations that CUDA refuses inside a capture
+    (measured: cuDNN's "DEVICE_ALLOCATION_FAILED" when another thread had run the eager
+    microbatches). Its effects are undone: buffers and the CUDA RNG state are restored, and
+    its gradients go nowhere (autograd.grad, not .grad)."""
+    buffers = list(run.buffers())
+    saved = [b.clone() for b in buffers]
+    rng = torch.cuda.get_rng_state(x.device)
+    probe = x.detach().clone().requires_grad_(x.requires_grad)
+    with _autocast_without_cache(autocast_dtype):
+        out = torch.func.functional_call(run, aliases, (probe,), strict=False, tie_weights=True)
+    if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
+        raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
+    wrt = ([probe] if x.requires_grad else []) + list(aliases.values())
+    torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)
+    with torch.no_grad():
+        for b, v in zip(buffers, saved):
+            b.copy_(v)
+    torch.cuda.set_rng_state(rng, x.device)
 
 
 class _GraphedRun(torch.autograd.Function):

@@ -599,16 +599,9 @@ class PipelineRuntime:
                         (meta, out), local = encode(self._serve_backward(f, msg.body))[:2], None
                 finally:
                     self._token.release()
+            self.links.send_encoded(src, meta, out)
             if local is not None:  # this rank's own copy of the model output, with its graph
-                self._deliver(("out", f["mb"], 0), (local, [], [], None))  # the reply sends copies
-            # The send waits for the GPU to finish this call (wire.py): the calls queued
-            # behind it get a runner meanwhile.
-            self._serve_runner_waits(task.queue)
-            try:
-                self.links.send_encoded(src, meta, out)
-            finally:
-                with self._lock:
-                    self._serve_runners[task.queue] += 1
+                self._deliver(("out", f["mb"], 0), (local, [], [], None))
         except BaseException as e:
             what = f"module '{f.get('path') or '<root>'}'" if msg.kind == "fwd" else "a backward"
             self._abort(e if isinstance(e, StepFailed) else StepFailed(self._describe(

@@ -115,17 +115,6 @@ class Links:
         return tensors
 
     def send_encoded(self, dst: int, meta: bytes, tensors: List[torch.Tensor]) -> None:
-        if any(t.is_cuda for t in tensors):
-            # The message goes when its data is ready on this GPU. Announced earlier (the host
-            # runs ahead of the GPU, far ahead when stages replay CUDA graphs), the receiver
-            # posts its NCCL receive at once, and that kernel spins on SMs of the receiver's
-            # GPU until the data comes: measured on 2 x H200 at m = 4 with graphed stages, the
-            # first stage's matrix products ran 1.5x slower beside receive kernels resident for
-            # 5-15 ms. The caller has given the compute token back: other work of this rank
-            # runs meanwhile.
-            ready = torch.cuda.Event()
-            ready.record()
-            ready.synchronize()
         header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         header[:_LEN] = torch.frombuffer(bytearray(len(meta).to_bytes(_LEN, "little")), dtype=torch.uint8)
         inline = min(len(meta), HEADER_BYTES - _LEN)

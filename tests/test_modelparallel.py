@@ -206,6 +206,20 @@ def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline)
                     else {p: 0 for p in range(parts)}), last
 
 
+def test_encoder_stack_pipeline_trains_like_one_process_with_the_graph_knob_inert_on_cpu():
+    """A Sequential of transformer encoder layers split over 2 processes trains as one process
+    does; SMDDP_SMP_CUDA_GRAPHS=1 changes nothing on CPU (graphs need a CUDA stage: every run
+    is eager). tests/test_cuda.py checks the graphs themselves."""
+    results = run_world(2, "smp_pipeline.py", ["enc", "auto", "interleaved", "2", "4", "3"], timeout=120,
+                        env={"SMDDP_SMP_CUDA_GRAPHS": "1"})
+    assert_all_ok(results)
+    reports = [r.event("trained") for r in results]
+    for r in reports:
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+        assert r["kept_after_steps"] == [], r["kept_after_steps"]
+        assert not any(r["graphs"].values()), r["graphs"]  # not even tried: the stage is not on CUDA
+
+
 @pytest.mark.parametrize("procs, parts", [(2, 2), (3, 3)], ids=["pp2", "pp3"])
 def test_more_microbatches_than_may_be_active_train_like_one_process(procs, parts):
     """8 microbatches, at most 2 in flight: they start in order and each stage runs the oldest

@@ -35,7 +35,13 @@ def main(out: str, paths: list[str]) -> None:
     left.scatter([e["ideal"] for e in entries], labels, marker="|", s=200, color="black", label="ideal")
     left.set_xlabel("samples/s over one GPU's (the whole model, one GPU)")
     left.legend(loc="lower right")
-    right.barh(labels, [max(e["peak_gb"]) for e in entries], color=colors)
+    if all("peak_reserved_gb" in e for e in entries):
+        # Reserved includes what CUDA graph pools hold between replays, which allocated omits.
+        right.barh(labels, [max(e["peak_reserved_gb"]) for e in entries], color=colors, alpha=0.35,
+                   label="reserved")
+    right.barh(labels, [max(e["peak_gb"]) for e in entries], color=colors, label="allocated")
+    if all("peak_reserved_gb" in e for e in entries):
+        right.legend(loc="lower right")
     right.set_xlabel("peak GPU memory of the busiest rank (GB)")
     left.invert_yaxis()
     for ax in (left, right):

@@ -252,12 +252,14 @@ def test_cuda_modelparallel_pipeline_trains_like_one_gpu(procs, parts, model, mo
 
 @needs_two_gpus
 @pytest.mark.parametrize("model, mode, pipeline", [("enc", "auto", "interleaved"), ("enc", "auto", "simple"),
-                                                   ("seq", "auto", "interleaved"), ("skip", "manual", "simple")])
+                                                   ("seq", "auto", "interleaved"), ("skip", "manual", "simple"),
+                                                   ("resid", "manual", "interleaved")])
 def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipeline):
     """SMDDP_SMP_CUDA_GRAPHS=1: each stage's Sequential runs are captured after two eager runs
     and replayed, one instance per microbatch in flight; 6 steps of 4 microbatches (captures,
     then replays, in both schedules) train as one GPU does. The encoder stack puts attention
-    and layer norm inside the graphs; "skip" graphs a Sequential that a peer calls remotely."""
+    and layer norm inside the graphs; "skip" graphs a Sequential that a peer calls remotely;
+    "resid" replays a run's backward twice per microbatch (a residual around a remote block)."""
     results = run_world(2, "smp_pipeline.py", [model, mode, pipeline, "2", "4", "6"], gpus=True, timeout=300,
                         env={"SMDDP_SMP_CUDA_GRAPHS": "1"})
     assert_all_ok(results)
@@ -268,8 +270,9 @@ def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipelin
         limit = 4  # "simple": every microbatch in flight; "interleaved": active_microbatches, 2 + 2
         assert report["graphs"]["captures"] <= limit * 2, report["graphs"]  # at most 2 runs a rank here
     replays = [r["graphs"]["replays"] for r in reports]
-    # The skip model's only Sequential is on rank 1; every other case has one on each rank.
-    expected = [False, True] if model == "skip" else [True, True]
+    # The skip model's only Sequential is on rank 1, the resid model's on rank 0; the others
+    # have one on each rank.
+    expected = {"skip": [False, True], "resid": [True, False]}.get(model, [True, True])
     assert [n > 0 for n in replays] == expected, [r["graphs"] for r in reports]
 
 

@@ -168,7 +168,7 @@ def test_step_output_reductions():
 # -- pipelines of processes --------------------------------------------------------------------------
 LAYOUTS = [(2, 2), (3, 3), (4, 2)]  # (processes, partitions): pp=2, pp=3, pp=2 x dp=2
 CASES = [("skip", "manual", "simple"), ("skip", "manual", "interleaved"), ("skip", "auto", "simple"),
-         ("seq", "auto", "simple"), ("seq", "auto", "interleaved")]
+         ("seq", "auto", "simple"), ("seq", "auto", "interleaved"), ("resid", "manual", "interleaved")]
 
 
 @pytest.mark.parametrize("procs, parts", LAYOUTS, ids=["pp2", "pp3", "pp2xdp2"])

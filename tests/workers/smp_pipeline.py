@@ -1,7 +1,7 @@
 """Pipeline training equivalence: N steps through smp on this world against one process
 training the same model on the same batches. Prints one JSON line per rank.
 
-argv: model (seq | skip | tied | gpt | enc), mode (auto | manual), pipeline (simple | interleaved), partitions,
+argv: model (seq | skip | tied | gpt | enc | resid), mode (auto | manual), pipeline (simple | interleaved), partitions,
 microbatches, steps.
 """
 import gc
@@ -56,6 +56,24 @@ class SkipNet(nn.Module):
         h = self.middle(h)
         h = self.shared(h) * torch.sigmoid(self.gate(skip))
         return {"logits": self.head(h) * scale, "hidden": h}
+
+
+class ResidNet(nn.Module):
+    """A residual around a remote block: the first partition's Sequential output feeds both
+    the remote block and the sum after it, so its backward runs twice, once per segment
+    (the graphed run's second backward replay must find its activations intact)."""
+
+    def __init__(self, parts):
+        super().__init__()
+        with smp.partition(0):
+            self.pre = nn.Sequential(nn.Linear(8, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+            self.head = nn.Linear(WIDTH, 4)
+        with smp.partition(parts - 1):
+            self.remote = Block(WIDTH)
+
+    def forward(self, x):
+        h = self.pre(x)
+        return self.head(h + self.remote(h))
 
 
 VOCAB, SEQ = 12, 6
@@ -129,6 +147,8 @@ def build():
     torch.manual_seed(1234)
     if MODEL == "enc":
         return encoder_stack()
+    if MODEL == "resid":
+        return ResidNet(PARTS)
     if MODEL == "tied":
         return TiedLM(PARTS)
     if MODEL == "gpt":

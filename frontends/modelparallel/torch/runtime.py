@@ -478,6 +478,11 @@ class PipelineRuntime:
                 out = child(out)
             return out
 
+        if self.graphs.inside_capture():  # a Sequential nested in a run being warmed or captured
+            out = x
+            for child in children:
+                out = child(out)
+            return out
         task = current_task()
         if not self.graphs.enabled or task is None or task.phase != FORWARD or not self._graphable(run_id, children):
             return eager()

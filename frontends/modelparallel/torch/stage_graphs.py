@@ -29,14 +29,15 @@ a parameter's gradient accumulation do not run for a graphed run.
 Results equal the eager run's (the same kernels on the same data); Python code inside the run
 that would decide differently from call to call (data-dependent branches, a step counter)
 does not, which is why this is opt-in. Capture uses CUDA's thread-local capture mode: the
-receiver threads go on issuing NCCL work while a stage captures.
+receiver threads go on issuing NCCL work while a stage captures. A run that cannot be graphed
+for a reason known before capturing runs eagerly; a capture CUDA refuses fails the step
+(CaptureFailed) rather than leave torch's CUDA state half in capture mode under eager runs.
 """
 from __future__ import annotations
 
 import logging
 import threading
-import traceback
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -76,13 +77,18 @@ class _Instance:
         try:
             with torch.cuda.stream(stream):
                 _warm_run(run, aliases, x, autocast_dtype)
-                with _capturing(self.fwd, pool), _autocast_without_cache(autocast_dtype):
+                with _capturing(self.fwd, pool, x.device.index), _autocast_without_cache(autocast_dtype):
                     out = torch.func.functional_call(run, aliases, (self.static_in,), strict=False, tie_weights=True)
                 self.static_out = out.detach()
                 self.static_grad_out = torch.empty_like(out)
                 wrt = ([self.static_in] if x.requires_grad else []) + list(aliases.values())
-                with _capturing(self.bwd, pool):
-                    grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True)
+                # retain_graph: the saved activations stay allocated through the capture, so
+                # no backward temporary takes their memory and a second replay (a skip
+                # connection runs a node's backward twice, in two segments) reads them intact.
+                with _capturing(self.bwd, pool, x.device.index):
+                    grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True,
+                                                retain_graph=True)
+                del out
         finally:  # the warm run read `x` there, and the caller's stream goes on with it
             torch.cuda.current_stream().wait_stream(stream)
         self.static_in = self.static_in.detach()  # a plain buffer from now on, in no autograd graph
@@ -110,26 +116,50 @@ class _Instance:
             torch._foreach_add_(adds, add_src)
 
 
+class CaptureFailed(RuntimeError):
+    """CUDA refused a capture. Raised, not fallen back from: a failed capture can leave torch's
+    CUDA state half in capture mode (its RNG's graph offsets), which eager runs would then
+    use; the step fails on every rank, naming the run, instead."""
+
+
 class _Capture:
-    def __init__(self, graph: torch.cuda.CUDAGraph, pool):
-        self.graph, self.pool = graph, pool
+    def __init__(self, graph: torch.cuda.CUDAGraph, pool, device: int):
+        self.graph, self.pool, self.device = graph, pool, device
 
     def __enter__(self):
-        self.graph.capture_begin(self.pool, capture_error_mode="thread_local")
+        try:
+            self.graph.capture_begin(self.pool, capture_error_mode="thread_local")
+        except RuntimeError as e:
+            self._stop_routing()
+            raise CaptureFailed(f"starting a capture failed: {e}") from e
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
+        try:
             self.graph.capture_end()  # raises when the capture was invalidated
-            return False
-        try:  # the error inside the capture is the one to report, not the invalidated capture's
-            self.graph.capture_end()
-        except RuntimeError:
-            pass
+        except RuntimeError as e:
+            # torch checks cudaStreamEndCapture before it stops routing this thread's
+            # allocations to the graph's pool; left routed, the allocator would stop
+            # reclaiming freed blocks for good.
+            self._stop_routing()
+            if exc_type is None:
+                raise CaptureFailed(f"ending the capture failed: {e}") from e
+        if exc_type is not None and not issubclass(exc_type, NotGraphable):
+            # The error inside the capture is the one to report, not the invalidated capture's.
+            raise CaptureFailed(f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
         return False
 
+    def _stop_routing(self) -> None:
+        # The name changed across torch releases (torch.cuda.use_mem_pool calls it).
+        stop = (getattr(torch._C, "_cuda_endAllocateToPool", None)
+                or getattr(torch._C, "_cuda_endAllocateCurrentStreamToPool", None))
+        try:
+            stop(self.device, self.pool)
+        except (RuntimeError, TypeError):
+            pass  # already stopped (the capture ended) or never started
 
-def _capturing(graph, pool) -> _Capture:
-    return _Capture(graph, pool)
+
+def _capturing(graph, pool, device: int) -> _Capture:
+    return _Capture(graph, pool, device)
 
 
 def _autocast_without_cache(dtype: Optional[torch.dtype]):
@@ -147,17 +177,19 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
     buffers = list(run.buffers())
     saved = [b.clone() for b in buffers]
     rng = torch.cuda.get_rng_state(x.device)
-    probe = x.detach().clone().requires_grad_(x.requires_grad)
-    with _autocast_without_cache(autocast_dtype):
-        out = torch.func.functional_call(run, aliases, (probe,), strict=False, tie_weights=True)
-    if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
-        raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
-    wrt = ([probe] if x.requires_grad else []) + list(aliases.values())
-    torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)
-    with torch.no_grad():
-        for b, v in zip(buffers, saved):
-            b.copy_(v)
-    torch.cuda.set_rng_state(rng, x.device)
+    try:
+        probe = x.detach().clone().requires_grad_(x.requires_grad)
+        with _autocast_without_cache(autocast_dtype):
+            out = torch.func.functional_call(run, aliases, (probe,), strict=False, tie_weights=True)
+        if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
+            raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
+        wrt = ([probe] if x.requires_grad else []) + list(aliases.values())
+        torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)
+    finally:
+        with torch.no_grad():
+            for b, v in zip(buffers, saved):
+                b.copy_(v)
+        torch.cuda.set_rng_state(rng, x.device)
 
 
 class _GraphedRun(torch.autograd.Function):
@@ -185,7 +217,7 @@ class _Entry:
     def __init__(self):
         self.instances: List[_Instance] = []
         self.eager_calls = 0
-        self.fingerprint: Tuple[int, ...] = ()
+        self.fingerprint: tuple = ()
 
 
 class StageGraphs:
@@ -199,6 +231,13 @@ class StageGraphs:
         self._entries: Dict[tuple, _Entry] = {}
         self._refused: Dict[tuple, str] = {}  # run -> why it cannot be graphed
         self._stream: Optional[torch.cuda.Stream] = None
+        self._tls = threading.local()
+
+    def inside_capture(self) -> bool:
+        """True in the thread that is warming or capturing a run: a Sequential nested in it
+        (its forward patched like every Sequential's) must run plainly, neither graphed nor
+        stepping aside for other work (another task would compute into the capture)."""
+        return getattr(self._tls, "depth", 0) > 0
 
     def run(self, run_id: tuple, modules: Sequence[nn.Module], x, leases: List[_Instance], eager):
         """The output of `modules` applied in turn to `x`: replayed when it can be, else
@@ -242,13 +281,20 @@ class StageGraphs:
         if run_id in self._refused or torch.is_inference_mode_enabled():
             return None
         autocast = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
-        return (run_id, tuple(x.shape), x.dtype, x.requires_grad, x.device.index, autocast,
-                tuple(m.training for m in modules))
+        return (run_id, tuple(x.shape), x.dtype, x.requires_grad, x.device.index, autocast)
+
+    @staticmethod
+    def _fingerprint(modules) -> tuple:
+        """What a capture took as fixed besides the input's shape: every submodule's mode
+        (a BatchNorm put in eval), which parameters need a gradient, and which tensors the
+        parameters and buffers are (replaced ones, even on the same memory, start over)."""
+        subs = [sub for m in modules for sub in m.modules()]
+        return (tuple(sub.training for sub in subs),
+                tuple((id(p), p.data_ptr(), p.requires_grad) for sub in subs for p in sub.parameters(recurse=False)),
+                tuple(b.data_ptr() for sub in subs for b in sub.buffers(recurse=False)))
 
     def _lease(self, key, modules, x) -> Optional[_Instance]:
-        # Parameters and buffers replaced (not updated in place) since a capture: that
-        # capture reads the old memory, so the run starts over.
-        fingerprint = tuple(t.data_ptr() for m in modules for t in (*m.parameters(), *m.buffers()))
+        fingerprint = self._fingerprint(modules)
         with self._lock:
             entry = self._entries.setdefault(key, _Entry())
             if entry.fingerprint != fingerprint:
@@ -273,10 +319,11 @@ class StageGraphs:
         except NotGraphable as e:
             self._refuse(key[0], str(e))
             return None
-        except RuntimeError as e:  # CUDA refused the capture (a synchronizing call inside, say)
-            where = "".join(traceback.format_tb(e.__traceback__)[-4:])
-            self._refuse(key[0], f"capturing it failed: {str(e).splitlines()[0]}\n{where}")
-            return None
+        except CaptureFailed as e:  # a synchronizing call inside the run, say
+            self._refuse(key[0], str(e))
+            raise RuntimeError(f"smp: SMDDP_SMP_CUDA_GRAPHS=1, but CUDA refused to capture the run {key[0]} "
+                               f"(a call inside it that synchronizes or allocates outside torch, say): {e}. "
+                               "Set SMDDP_SMP_CUDA_GRAPHS=0 to run it eagerly") from e
         inst.busy = True
         with self._lock:
             entry.instances.append(inst)
@@ -286,7 +333,11 @@ class StageGraphs:
     def _capture(self, modules, x, autocast_dtype) -> _Instance:
         if self._stream is None:
             self._stream = torch.cuda.Stream(x.device)
-        return _Instance(modules, x, self._stream, autocast_dtype)
+        self._tls.depth = getattr(self._tls, "depth", 0) + 1
+        try:
+            return _Instance(modules, x, self._stream, autocast_dtype)
+        finally:
+            self._tls.depth -= 1
 
     def _refuse(self, run_id, why: str) -> None:
         with self._lock:

@@ -186,10 +186,10 @@ def main():
     micro = [int(m) for m in args.micro.split(",")]
     single = None
 
-    def record(name, t, m, peaks, replicas=args.dp):
+    def record(name, t, m, peaks, replicas=args.dp, extra=None):
         """m: microbatches (None: no pipeline); replicas: batches of B samples per step."""
         peaks, held = peaks
-        entry = dict(step_ms=t * 1e3, samples_s=replicas * B / t, peak_gb=peaks)
+        entry = dict(step_ms=t * 1e3, samples_s=replicas * B / t, peak_gb=peaks, **(extra or {}))
         if args.device == "cuda":
             entry["held_before_gb"] = held
             # Reserved counts what graph pools hold between replays (allocated does not).
@@ -300,9 +300,16 @@ def main():
                         train_step(model, x, y)
                         opt.step()
 
+                    before = dict(model._runtime.graphs.counters) if model._runtime is not None else {}
                     t = timed(step, barrier)
                     name = f"smp_{pipeline}_m{m}" + (f"_a{active}" if active else "") + suffix
-                    record(name, t, m, all_peaks(step))
+                    extra = None
+                    if suffix == "_graphs":  # each rank's replays and captures in this configuration, as evidence
+                        mine = {k: v - before.get(k, 0) for k, v in model._runtime.graphs.counters.items()}
+                        ranks = [None] * world
+                        dist.all_gather_object(ranks, mine, group=peer_group)
+                        extra = dict(graphs=ranks)
+                    record(name, t, m, all_peaks(step), extra=extra)
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
 

@@ -188,12 +188,12 @@ def main():
 
     def record(name, t, m, peaks, replicas=args.dp, extra=None):
         """m: microbatches (None: no pipeline); replicas: batches of B samples per step."""
-        peaks, held = peaks
+        peaks, held, reserved = peaks
         entry = dict(step_ms=t * 1e3, samples_s=replicas * B / t, peak_gb=peaks, **(extra or {}))
         if args.device == "cuda":
             entry["held_before_gb"] = held
             # Reserved counts what graph pools hold between replays (allocated does not).
-            entry["peak_reserved_gb"] = all_reserved()
+            entry["peak_reserved_gb"] = reserved
         if single:
             speedup = replicas * single / t
             ideal = replicas * (pp * m / (m + pp - 1) if m else 1)
@@ -206,16 +206,11 @@ def main():
         value = peak_gb()
         if args.device == "cpu" and args.memory and step is not None:
             value = step_rss_peak_gb(step, barrier)
-        t = torch.tensor([value, held_before[0]], device=dev if args.device == "cuda" else "cpu")
+        reserved = torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else 0.0
+        t = torch.tensor([value, held_before[0], reserved], device=dev if args.device == "cuda" else "cpu")
         ts = [torch.zeros_like(t) for _ in range(world)]
         dist.all_gather(ts, t, group=peer_group)
-        return [v[0].item() for v in ts], [v[1].item() for v in ts]
-
-    def all_reserved():
-        t = torch.tensor([torch.cuda.max_memory_reserved() / 2**30], device=dev)
-        ts = [torch.zeros_like(t) for _ in range(world)]
-        dist.all_gather(ts, t, group=peer_group)
-        return [v.item() for v in ts]
+        return tuple([v[i].item() for v in ts] for i in range(3))  # peak, held before, reserved peak
 
     def whole_model_step(wrap=lambda m: m):
         """A training step of the whole model (wrapped, for DDP), its memory peak reset."""

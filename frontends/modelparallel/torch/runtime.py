@@ -470,19 +470,20 @@ class PipelineRuntime:
         """`children` (consecutive children of a Sequential, all on this rank) applied in turn
         to `x`: replayed as CUDA graphs where stage_graphs.py can, else eagerly, stepping aside
         between children for older work."""
+        # A Sequential nested in a run being warmed or captured runs plainly: stepping aside
+        # would let another task compute into the capture.
+        step_aside = not (self.graphs.enabled and self.graphs.inside_capture())
+
         def eager():
             out = x
             for n, child in enumerate(children):
-                if n:
+                if n and step_aside:
                     self.yield_to_older_work()
                 out = child(out)
             return out
 
-        if self.graphs.inside_capture():  # a Sequential nested in a run being warmed or captured
-            out = x
-            for child in children:
-                out = child(out)
-            return out
+        if not step_aside:
+            return eager()
         task = current_task()
         if not self.graphs.enabled or task is None or task.phase != FORWARD or not self._graphable(run_id, children):
             return eager()

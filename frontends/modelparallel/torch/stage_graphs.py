@@ -77,7 +77,7 @@ class _Instance:
         try:
             with torch.cuda.stream(stream):
                 _warm_run(run, aliases, x, autocast_dtype)
-                with _capturing(self.fwd, pool, x.device.index), _autocast_without_cache(autocast_dtype):
+                with _Capture(self.fwd, pool, x.device.index), _autocast_without_cache(autocast_dtype):
                     out = torch.func.functional_call(run, aliases, (self.static_in,), strict=False, tie_weights=True)
                 self.static_out = out.detach()
                 self.static_grad_out = torch.empty_like(out)
@@ -85,7 +85,7 @@ class _Instance:
                 # retain_graph: the saved activations stay allocated through the capture, so
                 # no backward temporary takes their memory and a second replay (a skip
                 # connection runs a node's backward twice, in two segments) reads them intact.
-                with _capturing(self.bwd, pool, x.device.index):
+                with _Capture(self.bwd, pool, x.device.index):
                     grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True,
                                                 retain_graph=True)
                 del out
@@ -156,10 +156,6 @@ class _Capture:
             stop(self.device, self.pool)
         except (RuntimeError, TypeError):
             pass  # already stopped (the capture ended) or never started
-
-
-def _capturing(graph, pool, device: int) -> _Capture:
-    return _Capture(graph, pool, device)
 
 
 def _autocast_without_cache(dtype: Optional[torch.dtype]):
@@ -276,7 +272,7 @@ class StageGraphs:
                     inst.busy = False
 
     def _key(self, run_id, modules, x) -> Optional[tuple]:
-        if not (self.enabled and isinstance(x, torch.Tensor) and x.is_cuda and torch.is_grad_enabled()):
+        if not (isinstance(x, torch.Tensor) and x.is_cuda and torch.is_grad_enabled()):
             return None
         if run_id in self._refused or torch.is_inference_mode_enabled():
             return None

@@ -35,6 +35,7 @@ void bind_gpu(py::module_& m) {
       .def_property_readonly("rank", &NcclGroup::rank)
       .def_property_readonly("size", &NcclGroup::size)
       .def_property_readonly("device", &NcclGroup::device)
+      .def_property_readonly("max_ctas", &NcclGroup::max_ctas)
       .def_property_readonly("stream", &NcclGroup::stream)
       .def(
           "_address", [](NcclGroup& g) { return reinterpret_cast<uintptr_t>(&g); },

@@ -160,6 +160,11 @@ NcclGroup::~NcclGroup() {
   // end: destroying it may need a CUDA context that is already gone.
 }
 
+int NcclGroup::max_ctas() const {
+  if (options_.max_ctas == gpu::NcclConfig::kUndefined || !gpu::runtime().ncclCommInitRankConfig) return 0;
+  return options_.max_ctas;
+}
+
 int NcclGroup::nccl_version() const { return gpu::runtime().nccl_version; }
 
 std::string NcclGroup::error() const {

@@ -79,6 +79,9 @@ class NcclGroup {
   int rank() const { return rank_; }
   int size() const { return size_; }
   int device() const { return device_; }
+  // The cap on thread blocks this communicator was made with, 0 when NCCL chose (or the
+  // library is older than 2.17, whose config call is absent).
+  int max_ctas() const;
   uintptr_t stream() const { return reinterpret_cast<uintptr_t>(stream_); }
   int nccl_version() const;
 

@@ -248,6 +248,8 @@ def test_cuda_modelparallel_pipeline_trains_like_one_gpu(procs, parts, model, mo
         report = r.event("trained")
         assert report["param_rel_err"] < 1e-5 and report["loss_rel_err"] < 1e-5, report
         assert report["losses"] == results[0].event("trained")["losses"], "ranks disagree on the loss"
+        # Both directions of this rank's link were used, each capped at the default 2 blocks.
+        assert report["link_ctas"] and set(report["link_ctas"].values()) == {2}, report["link_ctas"]
 
 
 @needs_two_gpus
@@ -261,7 +263,7 @@ def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipelin
     and layer norm inside the graphs; "skip" graphs a Sequential that a peer calls remotely;
     "resid" replays a run's backward twice per microbatch (a residual around a remote block)."""
     results = run_world(2, "smp_pipeline.py", [model, mode, pipeline, "2", "4", "6"], gpus=True, timeout=300,
-                        env={"SMDDP_SMP_CUDA_GRAPHS": "1"})
+                        env={"SMDDP_SMP_CUDA_GRAPHS": "1", "SMDDP_SMP_P2P_MAX_CTAS": "1"})
     assert_all_ok(results)
     reports = [r.event("trained") for r in results]
     for report in reports:
@@ -269,6 +271,7 @@ def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipelin
         assert report["losses"] == reports[0]["losses"], "ranks disagree on the loss"
         limit = 4  # "simple": every microbatch in flight; "interleaved": active_microbatches, 2 + 2
         assert report["graphs"]["captures"] <= limit * 2, report["graphs"]  # at most 2 runs a rank here
+        assert set(report["link_ctas"].values()) == {1}, report["link_ctas"]
     replays = [r["graphs"]["replays"] for r in reports]
     # The skip model's only Sequential is on rank 1, the resid model's on rank 0; the others
     # have one on each rank.

@@ -55,6 +55,18 @@ def test_bad_configuration_is_refused_with_the_key_named(config, world, fragment
     assert fragment in str(e.value)
 
 
+@pytest.mark.parametrize("raw, cap", [("", 0), ("0", 0), ("1", 1), (" 3 ", 3), ("-1", None), ("two", None)])
+def test_the_pipeline_links_cta_cap_is_read_from_the_table_and_bad_values_are_named(monkeypatch, raw, cap):
+    """SMDDP_SMP_P2P_MAX_CTAS, read in smp.init before any communication."""
+    from smdistributed.modelparallel.torch.state import _p2p_max_ctas
+    monkeypatch.setenv("SMDDP_SMP_P2P_MAX_CTAS", raw)
+    if cap is None:
+        with pytest.raises(ValueError, match=f"SMDDP_SMP_P2P_MAX_CTAS must be 0 .* got '{raw}'"):
+            _p2p_max_ctas()
+    else:
+        assert _p2p_max_ctas() == cap
+
+
 def test_bad_sagemaker_json_is_named():
     with pytest.raises(ConfigError, match="SM_HP_MP_PARAMETERS is not valid JSON"):
         resolve({"partitions": 2}, 2, environ={"SM_HP_MP_PARAMETERS": "{partitions: 2"})

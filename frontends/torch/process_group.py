@@ -13,7 +13,7 @@ import secrets
 import socket
 import threading
 from datetime import timedelta
-from typing import Dict, List, NamedTuple, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -101,6 +101,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._completion_thread = None
         self._cuda_collectives = None
         self._cuda_checks = os.environ.get("SMDDP_CUDA_CHECKS", "1") != "0"
+        self._nccl_max_ctas: Optional[int] = None  # None: SMDDP_NCCL_MAX_CTAS, else NCCL's choice
         # Splits made so far per member set: counted per members, not per call, because a rank
         # outside a split is not asked by every torch version (so a count of all calls
         # differs between ranks), while every member of a group takes part in each of its splits.
@@ -202,10 +203,21 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         if self._cuda_collectives is None:
             device = next(t.device for t in tensors if isinstance(t, torch.Tensor))
             self._cuda_collectives = CudaCollectives(self._store, self.rank(), self.size(), device,
-                                                     self.gpu_timeout_s())
+                                                     self.gpu_timeout_s(), max_ctas=self._nccl_max_ctas)
             if self._cuda_checks:
                 self._cuda_collectives.check_arguments_with(self._engine)
         return self._cuda_collectives
+
+    def limit_nccl_ctas(self, max_ctas: int) -> None:
+        """The most thread blocks (SMs) one NCCL operation of this group may occupy, for groups
+        whose transfers wait on the GPU beside compute (a pipeline's links). Only before the
+        group's first CUDA collective: the communicator is made with it. 0: SMDDP_NCCL_MAX_CTAS if
+        set, else NCCL's choice."""
+        if max_ctas < 0:
+            raise ValueError(f"smddp: max_ctas must be 0 (NCCL's choice) or positive, got {max_ctas}")
+        if self._cuda_collectives is not None:
+            raise RuntimeError("smddp: limit_nccl_ctas must be called before the group's first CUDA collective")
+        self._nccl_max_ctas = max_ctas or None
 
     def gpu_timeout_s(self) -> float:
         """How long a batch of NCCL work may run before the watchdog aborts it: the group's
@@ -467,6 +479,8 @@ def smddp_group(group=None) -> ProcessGroupSMDDP:
     pg = group or dist.group.WORLD
     if pg is None or not dist.is_initialized():
         raise RuntimeError("call torch.distributed.init_process_group(backend=\"smddp\") first")
+    if not isinstance(pg, dist.ProcessGroup):  # new_group's answer on a rank outside the group
+        raise RuntimeError("this rank is not a member of the process group")
     if isinstance(pg, ProcessGroupSMDDP):
         return pg
     try:

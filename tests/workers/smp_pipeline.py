@@ -258,7 +258,21 @@ def main():
     report("trained", rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(), param_rel_err=worst,
            loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses,
            output_backwards=model._runtime.output_backwards, kept_after_steps=step_tensors_alive(),
-           forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters))
+           forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters),
+           link_ctas=link_ctas())
+
+
+def link_ctas():
+    """The thread-block cap of each CUDA link's NCCL communicator that this rank used
+    (SMDDP_SMP_P2P_MAX_CTAS): {"a->b": cap}, 0 where NCCL chose."""
+    from smdistributed.dataparallel.torch.process_group import smddp_group
+    from smdistributed.modelparallel.torch.state import state
+    caps = {}
+    for (a, b), group in state.cuda_links.items():
+        gpu = smddp_group(group)._cuda_collectives
+        if gpu is not None:
+            caps[f"{a}->{b}"] = gpu.nccl.max_ctas
+    return caps
 
 
 def step_tensors_alive():

@@ -13,6 +13,9 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from smdistributed.common import config as knobs
+from smdistributed.dataparallel.torch.process_group import smddp_group
+
 from .config import Config, resolve
 from .topology import Topology
 
@@ -51,6 +54,7 @@ def init(config: Optional[Dict[str, Any]] = None) -> None:
     import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401 (registers smddp, fills RANK...)
 
     cfg = resolve(config, _world_size_before_init())  # checked before any communication
+    link_ctas = _p2p_max_ctas()
     if not dist.is_initialized():
         dist.init_process_group("smddp")
     topo = Topology(dist.get_rank(), dist.get_world_size(), cfg.partitions, cfg.placement_strategy)
@@ -70,13 +74,26 @@ def init(config: Optional[Dict[str, Any]] = None) -> None:
                 for b in range(topo.pp_size):
                     if a != b:
                         g = dist.new_group([ranks[a], ranks[b]])
-                        if d == topo.dp_rank:
+                        if d == topo.dp_rank and topo.pp_rank in (a, b):  # a member of this link
+                            smddp_group(g).limit_nccl_ctas(link_ctas)
                             state.cuda_links[(a, b)] = g
     state.cfg = cfg
     state.topo = topo
     state.local_rank = int(os.environ.get("LOCAL_RANK", 0))
     state.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     state.initialized = True
+
+
+def _p2p_max_ctas() -> int:
+    raw = knobs.value("SMDDP_SMP_P2P_MAX_CTAS").strip() or "0"
+    try:
+        n = int(raw)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"smp: SMDDP_SMP_P2P_MAX_CTAS must be 0 (NCCL's choice) or a positive number "
+                         f"of thread blocks, got {raw!r}")
+    return n
 
 
 def device() -> torch.device:

@@ -27,9 +27,15 @@ def main():
     ap.add_argument("trace")
     ap.add_argument("--min-ms", type=float, default=0.3)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--compute-only", action="store_true",
+                    help="leave NCCL kernels out: a receive kernel that waits for its data is not work")
     args = ap.parse_args()
     events = [e for e in load(args.trace) if e.get("ph") == "X"]
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    if args.compute_only:
+        nccl = [e for e in gpu if "nccl" in e["name"].lower()]
+        print(f"NCCL kernels left out: {len(nccl)}, {sum(e['dur'] for e in nccl) / 1e3:.1f} ms resident in all")
+        gpu = [e for e in gpu if "nccl" not in e["name"].lower()]
     host = [e for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation", "cuda_runtime")]
     launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"}
     gaps = []

@@ -1,8 +1,10 @@
-"""Where a 2-GPU pipeline step goes: smp against torch's Schedule1F1B, same model and split.
+"""Where a pipeline step goes: smp against torch's Schedule1F1B, same model and split.
 
     torchrun --nproc_per_node 2 bench/pipeline_profile.py --micro 4 --trace-dir traces/
+    SMDDP_SMP_CUDA_GRAPHS=1 torchrun --nproc_per_node 4 bench/pipeline_profile.py --micro 8   # pp=4, graphed
 
-The pipeline benchmark's model (16 encoder layers d1024, bf16, batch 64 x 256, split 8 + 8).
+The pipeline benchmark's model (16 encoder layers d1024, bf16, batch 64 x 256), split evenly
+over as many stages as processes.
 For each schedule, every rank prints: wall ms per step, the host time to issue one step, the
 GPU time between step starts (CUDA events), and GPU kernel time per step; with --trace-dir
 each rank writes a torch profiler trace of 2 steps per schedule (bench/gpu_idle_gaps.py
@@ -80,7 +82,8 @@ def measure(name, step, rank, barrier):
 
 def main():
     m = args.micro
-    smp.init({"partitions": 2, "microbatches": m})
+    pp = int(os.environ["WORLD_SIZE"])
+    smp.init({"partitions": pp, "microbatches": m})
     rank = dist.get_rank()
     torch.cuda.set_device(smp.local_rank())
     dev = torch.device("cuda", smp.local_rank())
@@ -92,13 +95,18 @@ def main():
     if "torch_1f1b" in args.only:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-        part = torch.nn.Sequential(*encoder_layers(L)[rank * L // 2:(rank + 1) * L // 2]).to(dev, torch.bfloat16)
-        sched = Schedule1F1B(PipelineStage(part, rank, 2, dev, group=nccl), n_microbatches=m, loss_fn=loss_fn)
+        part = torch.nn.Sequential(*encoder_layers(L)[rank * L // pp:(rank + 1) * L // pp]).to(dev, torch.bfloat16)
+        sched = Schedule1F1B(PipelineStage(part, rank, pp, dev, group=nccl), n_microbatches=m, loss_fn=loss_fn)
         opt = torch.optim.SGD(part.parameters(), lr=1e-3)
 
         def torch_step():
             opt.zero_grad(set_to_none=True)
-            sched.step(x) if rank == 0 else sched.step(target=y, losses=[])
+            if rank == 0:
+                sched.step(x)
+            elif rank == pp - 1:
+                sched.step(target=y, losses=[])
+            else:
+                sched.step()
             opt.step()
 
         measure(f"torch_1f1b_m{m}", torch_step, rank, barrier)
@@ -118,6 +126,8 @@ def main():
             opt.step()
 
         measure(f"smp_{pipeline}_m{m}", smp_step, rank, barrier)
+        if model._runtime.graphs.enabled:  # evidence that the figures are of graphed runs
+            print(f"[rank {rank}] smp_{pipeline}_m{m} graphs {dict(model._runtime.graphs.counters)}", flush=True)
 
 
 if __name__ == "__main__":

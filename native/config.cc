@@ -83,6 +83,11 @@ const std::vector<ConfigVar>& config_table() {
        "starts each microbatch's backward from its own copy of the loss (as a last pipeline stage "
        "does), saving two messages per microbatch; needs the step function to compute the same "
        "loss from the same output on every rank. 0: the root sends the output's gradient"},
+      {"SMDDP_SMP_CHAIN_CALLS", "1",
+       "smp pipelines: 1: consecutive runs of an nn.Sequential's children on other partitions are "
+       "one chained call: each stage sends its output straight to the next and, in the backward, "
+       "its input gradients straight to the previous one, so activations cross each stage boundary "
+       "once. 0: every run is a call that returns to the rank running the Sequential (the root)"},
       {"SMDDP_SMP_P2P_MAX_CTAS", "2",
        "smp pipelines on CUDA: the most thread blocks (SMs) one NCCL transfer between two pipeline "
        "stages may occupy. A stage posts its receives as soon as the peer announces a message, so "

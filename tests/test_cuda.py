@@ -250,6 +250,9 @@ def test_cuda_modelparallel_pipeline_trains_like_one_gpu(procs, parts, model, mo
         assert report["losses"] == results[0].event("trained")["losses"], "ranks disagree on the loss"
         # Both directions of this rank's link were used, each capped at the default 2 blocks.
         assert report["link_ctas"] and set(report["link_ctas"].values()) == {2}, report["link_ctas"]
+    if model == "seq" and mode == "auto" and parts == 4:  # stage to stage: ranks 1 and 2 pass each forward on
+        hops = {r.event("trained")["pp_rank"]: r.event("trained")["chained_hops"] for r in results}
+        assert hops == {0: 0, 1: 20, 2: 20, 3: 0}, hops
 
 
 @needs_two_gpus

@@ -76,6 +76,20 @@ class ResidNet(nn.Module):
         return self.head(h + self.remote(h))
 
 
+def bounce_net(parts):
+    """A Sequential that passes through every partition in turn and comes back to the first:
+    its runs on partitions 1.. are one chained call (each hop sends straight to the next) whose
+    result returns to partition 0, so the backward is asked of the chain's last hop."""
+    last = parts - 1
+    with smp.partition(0):
+        first, head = nn.Linear(8, WIDTH), nn.Linear(WIDTH, 4)
+    middle = []
+    for p in (1, min(2, last), last):
+        with smp.partition(p):
+            middle.append(Block(WIDTH))
+    return nn.Sequential(first, *middle, head)
+
+
 VOCAB, SEQ = 12, 6
 
 
@@ -149,6 +163,8 @@ def build():
         return encoder_stack()
     if MODEL == "resid":
         return ResidNet(PARTS)
+    if MODEL == "bounce":
+        return bounce_net(PARTS)
     if MODEL == "tied":
         return TiedLM(PARTS)
     if MODEL == "gpt":
@@ -257,7 +273,8 @@ def main():
     del loss_mb, loss  # the last step's StepOutput and loss, which this script held
     report("trained", rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(), param_rel_err=worst,
            loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses,
-           output_backwards=model._runtime.output_backwards, kept_after_steps=step_tensors_alive(),
+           output_backwards=model._runtime.output_backwards, chained_hops=model._runtime.chained_hops,
+           kept_after_steps=step_tensors_alive(),
            forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters),
            link_ctas=link_ctas())
 

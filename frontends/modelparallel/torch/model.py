@@ -323,25 +323,35 @@ class DistributedModel(nn.Module):
         return forward
 
     def _sequential_forward(self, seq: nn.Sequential, path: str, runtime: PipelineRuntime):
-        """A run of consecutive children on one partition is one remote call, not one per child."""
+        """A run of consecutive children on one partition is one remote call, not one per child,
+        and consecutive runs on other partitions are one chained call (runtime.call_remote)."""
         me = state.topo.pp_rank
         owners = [self._owner_of_module[id(c)] for c in seq]
+        runs = []  # (owner, first child, end)
+        for i, owner in enumerate(owners):
+            if runs and runs[-1][0] == owner:
+                runs[-1] = (owner, runs[-1][1], i + 1)
+            else:
+                runs.append((owner, i, i + 1))
 
         def forward(x):
             children = list(seq)
-            i = 0
-            while i < len(children):
-                j = i + 1
-                while j < len(children) and owners[j] == owners[i]:
-                    j += 1
-                if owners[i] == me:
+            k = 0
+            while k < len(runs):
+                owner, i, j = runs[k]
+                if owner == me:
                     x = runtime.run_local_children((path, i, j), children[i:j], x)
-                else:
-                    # The root's last children, when remote, produce the model's output itself:
-                    # their owner may start the backward from its own copy of the loss.
-                    x = runtime.call_remote(owners[i], path, (i, j), (x,), {},
-                                            produces_output=(path == "" and j == len(children)))
-                i = j
+                    k += 1
+                    continue
+                n = k + 1
+                while runtime.chain_calls and n < len(runs) and runs[n][0] != me:
+                    n += 1
+                # The root's last children, when remote, produce the model's output itself:
+                # their owner may start the backward from its own copy of the loss.
+                x = runtime.call_remote(owner, path, (i, j), (x,), {},
+                                        produces_output=(path == "" and runs[n - 1][2] == len(children)),
+                                        chain=[(o, (a, b)) for o, a, b in runs[k + 1:n]])
+                k = n
             return x
 
         return forward

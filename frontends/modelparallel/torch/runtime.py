@@ -27,7 +27,7 @@ import itertools
 import threading
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -52,6 +52,10 @@ class RemoteCall:
     inputs: List[torch.Tensor]      # the caller's tensors that need a gradient back
     outputs: List[torch.Tensor]     # leaves standing for the owner's outputs
     owner_starts_backward: bool = False  # the owner computed the loss itself (see call_remote)
+    # Where the outputs' gradients go: the call's owner, or for a chain the last hop's owner
+    # and its frame (call_remote).
+    bwd_owner: Optional[int] = None
+    bwd_id: Optional[Tuple[int, int]] = None
 
 
 @dataclass
@@ -74,6 +78,9 @@ class ServedFrame:
     outputs: List[torch.Tensor]
     calls: List[RemoteCall]
     leases: List[Any] = field(default_factory=list)  # freed when its backward is done
+    # A hop of a chain after the first: the previous hop's frame, which takes this frame's
+    # input gradients as its own backward request (None: they go back to the caller).
+    parent: Optional[Tuple[int, int]] = None
 
 
 _local = threading.local()
@@ -108,6 +115,8 @@ class PipelineRuntime:
         # threads that compute few and the same from step to step.
         self._serve_pool = WorkerPool(device)
         self.output_backward = config.value("SMDDP_SMP_OUTPUT_BACKWARD") != "0"
+        self.chain_calls = config.value("SMDDP_SMP_CHAIN_CALLS") != "0"  # see call_remote
+        self.chained_hops = 0  # forwards this rank passed straight to the next hop of a chain, ever
         self.output_backwards = 0  # microbatches whose backward this rank started from its own loss, ever
         self.timeline = Timeline(global_ranks[pp_rank])
         if self.timeline.enabled:
@@ -132,7 +141,8 @@ class PipelineRuntime:
         self._flow = threading.Condition()
         self._started = 0
         self._first_computed = 0  # microbatches that have taken the compute token once
-        self._output_frames: Dict[int, Tuple[int, int]] = {}  # mb -> id of the served call that made its output
+        # mb -> (id of the served call that made its output, the call its caller waits on)
+        self._output_frames: Dict[int, Tuple[Tuple[int, int], Tuple[int, Tuple[int, int]]]] = {}
         self._finished = 0
         self._at_backward = 0
         self._serving_backward = 0
@@ -238,8 +248,9 @@ class PipelineRuntime:
             if unstarted is not None and self._error is None:
                 # No backward here (an evaluation step, say): the caller gets an empty answer,
                 # an error only if it does wait for this backward (backward on some ranks only).
+                caller, call_id = unstarted[1]
                 try:
-                    self.links.send(unstarted[0], Message("bwd_done", {"id": unstarted}, None))
+                    self.links.send(caller, Message("bwd_done", {"id": call_id}, None))
                 except BaseException as e:
                     self._abort(StepFailed(self._describe("sending a skipped backward", e)))
             with self._flow:
@@ -350,7 +361,7 @@ class PipelineRuntime:
             self._token.acquire(self._prio(task), self._label(task))
         seeds, seed_grads = self._seeds(tensors, grads)
         if produced is not None:
-            self._backward_from_output(produced, seeds, seed_grads)
+            self._backward_from_output(produced[0], seeds, seed_grads)
             return
         self._backward(task.calls, seeds, seed_grads)
         task.calls = []
@@ -374,11 +385,10 @@ class PipelineRuntime:
         the same output values). Backward starts here, as torch's last pipeline stage does it,
         and the input gradients go to the caller unasked: no round trip through the root for the
         gradient of the output."""
-        in_grads = self._frame_backward(call_id, seeds, seed_grads)
+        dst, msg = self._frame_backward(call_id, seeds, seed_grads)
         with self._lock:
             self.output_backwards += 1
-        caller = call_id[0]
-        self._without_token(lambda: self.links.send(caller, Message("bwd_done", {"id": call_id}, in_grads)))
+        self._without_token(lambda: self.links.send(dst, msg))
         self._check_grads_final()
 
     def _backward(self, calls: List[RemoteCall], seeds, seed_grads) -> None:
@@ -396,8 +406,8 @@ class PipelineRuntime:
                         "on every rank (or set SMDDP_SMP_OUTPUT_BACKWARD=0)")
             else:
                 grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in call.outputs]
-                in_grads = self._request(call.owner, Message("bwd", {"id": call.call_id, "mb": current_task().mb},
-                                                             grads),
+                owner, frame = (call.owner, call.call_id) if call.bwd_owner is None else (call.bwd_owner, call.bwd_id)
+                in_grads = self._request(owner, Message("bwd", {"id": frame, "mb": current_task().mb}, grads),
                                          ("bwd_done", call.call_id), f"the backward of {call.what}")
             pairs = [(t, g) for t, g in zip(call.inputs, in_grads) if g is not None]
             if pairs:
@@ -405,11 +415,18 @@ class PipelineRuntime:
 
     # -- remote calls ---------------------------------------------------------------------------
     def call_remote(self, owner: int, path: str, span: Optional[Tuple[int, int]], args, kwargs,
-                    produces_output: bool = False):
+                    produces_output: bool = False, chain: Sequence[Tuple[int, Tuple[int, int]]] = ()):
         """`produces_output`: the call's result is the root's output (the root Sequential's last
         children). For the step's first model call with gradients, the owner then keeps its
         result (with its graph) as its own copy of the model output and starts the backward from
-        its own loss; the root waits for the input gradients instead of sending the output's."""
+        its own loss; the root waits for the input gradients instead of sending the output's.
+
+        `chain`: further runs of the same Sequential, (owner, span) each, that take this run's
+        output in turn, all on other ranks than this one. Each hop sends its output straight to
+        the next, and the last answers here; in the backward each hop sends its input gradients
+        straight to the previous one, and the first answers here. Activations and gradients
+        then cross each stage boundary once, as in torch's pipelines, instead of returning to
+        the caller between stages (SMDDP_SMP_CHAIN_CALLS)."""
         task = current_task()
         if task is None:
             where = f"module '{path or '<root>'}'"
@@ -419,13 +436,21 @@ class PipelineRuntime:
         what = f"module '{path or '<root>'}'" + (f" children {span[0]}..{span[1] - 1}" if span else "")
         owner_starts = (produces_output and self.output_backward and task.kind == "step" and
                         task.model_calls == 1 and torch.is_grad_enabled())
+        if chain:
+            what += " and on, " + ", ".join(f"children {a}..{b - 1} on partition {o}" for o, (a, b) in chain)
         if owner_starts:
-            task.output_producer = owner
-        msg = Message("fwd", {"id": call_id, "mb": task.mb, "path": path, "span": span,
-                              "grad": torch.is_grad_enabled(), "output": owner_starts}, (args, kwargs))
+            task.output_producer = chain[-1][0] if chain else owner
+        fields = {"id": call_id, "mb": task.mb, "path": path, "span": span, "grad": torch.is_grad_enabled(),
+                  "output": owner_starts}
+        if chain:
+            fields["chain"] = [(o, tuple(sp)) for o, sp in chain]
+        msg = Message("fwd", fields, (args, kwargs))
         waiter = self._expect(("fwd_done", call_id), f"the forward of {what} on partition {owner}")
         sent = self._without_token(lambda: self.links.send(owner, msg))
         out, tensors, specs = self._wait_on(waiter)
+        tail = None
+        if chain:  # the last hop answers with its output and where its backward is asked for
+            out, tail = out
         inputs = [t for t in sent if t.requires_grad]
         leaves = []
         for t, s in zip(tensors, specs):
@@ -433,7 +458,8 @@ class PipelineRuntime:
                 t.requires_grad_(True)
                 leaves.append(t)
         if leaves:
-            task.calls.append(RemoteCall(call_id, owner, what, inputs, leaves, owner_starts))
+            task.calls.append(RemoteCall(call_id, owner, what, inputs, leaves, owner_starts,
+                                         *(tail if tail is not None else (None, None))))
         return out
 
     def _request(self, owner: int, msg: Message, key, what: str):
@@ -600,12 +626,13 @@ class PipelineRuntime:
                 self._token.acquire(self._prio(task), self._label(task))
                 try:
                     if msg.kind == "fwd":
-                        meta, out, local = self._serve_forward(f, msg.body, tensors, specs, task)
+                        dst, meta, out, local = self._serve_forward(f, msg.body, tensors, specs, task)
                     else:
-                        (meta, out), local = encode(self._serve_backward(f, msg.body))[:2], None
+                        dst, reply = self._serve_backward(f, msg.body)
+                        (meta, out), local = encode(reply)[:2], None
                 finally:
                     self._token.release()
-            self.links.send_encoded(src, meta, out)
+            self.links.send_encoded(dst, meta, out)
             if local is not None:  # this rank's own copy of the model output, with its graph
                 self._deliver(("out", f["mb"], 0), (local, [], [], None))
         except BaseException as e:
@@ -615,7 +642,10 @@ class PipelineRuntime:
         finally:
             _local.task = None
 
-    def _serve_forward(self, f, body, tensors, specs, task: Task) -> Message:
+    def _serve_forward(self, f, body, tensors, specs, task: Task):
+        """Runs a forward call for a peer; returns where its answer goes, the answer encoded,
+        and this rank's own copy of the model output when it keeps one. The answer is the
+        caller's result, or for a hop of a chain with hops left, the next hop's call."""
         inputs = []
         for t, s in zip(tensors, specs):
             if s.requires_grad and (t.is_floating_point() or t.is_complex()):
@@ -629,31 +659,48 @@ class PipelineRuntime:
             else:
                 a, b = f["span"]
                 out = self.run_local_children((f["path"], a, b), list(module)[a:b], args[0])
-        meta, out_tensors, _ = encode(Message("fwd_done", {"id": f["id"]}, out))
-        outputs = [t for t in out_tensors if t.requires_grad]
-        local = out if f.get("output") else None  # the caller sends this rank no copy of it
-        if outputs:  # stored before the reply goes: the caller's backward may follow at once
+        chain = f.get("chain") or []
+        origin = tuple(f["reply"]) if "reply" in f else (f["id"][0], f["id"])  # (caller, its call id)
+        if chain:
+            (nxt, span), rest = chain[0], chain[1:]
+            hop = {"id": (self.pp_rank, next(self._ids)), "mb": f["mb"], "path": f["path"], "span": span,
+                   "grad": f["grad"], "output": f["output"], "reply": origin, "parent": f["id"]}
+            if rest:
+                hop["chain"] = rest
+            dst, answer = nxt, Message("fwd", hop, ((out,), {}))
             with self._lock:
-                self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls, task.leases)
+                self.chained_hops += 1
+        else:
+            # A chain's last hop tells the caller where to send its outputs' gradients.
+            body = (out, (self.pp_rank, f["id"])) if "reply" in f else out
+            dst, answer = origin[0], Message("fwd_done", {"id": origin[1]}, body)
+        meta, out_tensors, _ = encode(answer)
+        outputs = [t for t in out_tensors if t.requires_grad]
+        local = out if f.get("output") and not chain else None  # the caller sends this rank no copy of it
+        if outputs:  # stored before the answer goes: the backward may follow at once
+            with self._lock:
+                self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls, task.leases, f.get("parent"))
                 if local is not None:
-                    self._output_frames[f["mb"]] = f["id"]
+                    self._output_frames[f["mb"]] = (f["id"], origin)
         else:
             self.graphs.release(task.leases)
         if local is not None:
             # The step function here may change its output in place while the reply is still
             # being sent: the reply carries copies.
             out_tensors = [t.detach().clone() for t in out_tensors]
-        return meta, out_tensors, local
+        return dst, meta, out_tensors, local
 
-    def _serve_backward(self, f, grads) -> Message:
-        in_grads = self._frame_backward(f["id"], None, list(grads))
+    def _serve_backward(self, f, grads) -> Tuple[int, Message]:
+        answer = self._frame_backward(f["id"], None, list(grads))
         self._check_grads_final()
-        return Message("bwd_done", {"id": f["id"]}, in_grads)
+        return answer
 
-    def _frame_backward(self, call_id, seeds, seed_grads) -> List[Optional[torch.Tensor]]:
+    def _frame_backward(self, call_id, seeds, seed_grads) -> Tuple[int, Message]:
         """The backward of a call this rank served, from `seeds` (None: the call's outputs);
-        returns the gradients of the call's inputs. Counted as serving a backward meanwhile, so
-        this rank's gradients are not taken for final."""
+        returns where the gradients of the call's inputs go and the message that carries them:
+        the caller's answer, or the previous hop's backward request for a chain's later hop.
+        Counted as serving a backward meanwhile, so this rank's gradients are not taken for
+        final."""
         with self._lock:
             frame = self._frames.pop(call_id)
             self._serving_backward += 1
@@ -663,7 +710,12 @@ class PipelineRuntime:
             self.graphs.release(frame.leases)
             with self._lock:
                 self._serving_backward -= 1
-        return [t.grad for t in frame.inputs]
+        if frame.parent is None:
+            return call_id[0], Message("bwd_done", {"id": call_id}, [t.grad for t in frame.inputs])
+        # The previous hop's outputs are this frame's inputs, in order; it seeds its backward
+        # with all of them.
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in frame.inputs]
+        return call_id[0], Message("bwd", {"id": frame.parent, "mb": current_task().mb}, grads)
 
     # -- failure ----------------------------------------------------------------------------------
     def _describe(self, what: str, e: BaseException) -> str:

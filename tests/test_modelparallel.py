@@ -225,14 +225,18 @@ def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline)
     (4, "bounce", {}, [0, 20, 20, 0]),
     (3, "seq", {"SMDDP_SMP_OUTPUT_BACKWARD": "0"}, [0, 20, 0]),
     (3, "seq", {"SMDDP_SMP_CHAIN_CALLS": "0"}, [0, 0, 0]),
-], ids=["seq-pp3", "seq-pp4", "bounce-pp3", "bounce-pp4", "seq-pp3-root-asks-backward", "seq-pp3-unchained"])
+    (3, "frozen", {}, [0, 20, 0]),
+    (4, "frozen", {}, [0, 20, 20, 0]),
+], ids=["seq-pp3", "seq-pp4", "bounce-pp3", "bounce-pp4", "seq-pp3-root-asks-backward", "seq-pp3-unchained",
+        "frozen-pp3", "frozen-pp4"])
 def test_chained_calls_send_activations_stage_to_stage_and_train_like_one_process(procs, model, env, hops):
     """Runs of a Sequential on partitions 1.. are one chained call: each hop sends its output
     straight to the next stage and its input gradients straight to the previous one (counted
     per rank: 5 steps x 4 microbatches). Covered: the last hop keeping the model output and
     starting the backward ("seq"), a chain whose result returns to the root, which then asks
-    the last hop for the backward ("bounce", and "seq" with SMDDP_SMP_OUTPUT_BACKWARD=0), and
-    the knob off (every run a round trip through the root)."""
+    the last hop for the backward ("bounce", and "seq" with SMDDP_SMP_OUTPUT_BACKWARD=0), a
+    frozen first hop whose successor gets no gradient-carrying input and so answers the root
+    itself ("frozen"), and the knob off (every run a round trip through the root)."""
     mode = "auto" if model == "seq" else "manual"
     for pipeline in ("interleaved", "simple"):
         results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(procs), "4", "5"], timeout=120,
@@ -354,6 +358,12 @@ def test_backward_called_on_one_rank_only_is_an_error_on_every_rank():
     results = run_world(2, "smp_errors.py", ["backward_on_one_rank"], timeout=90)
     assert_all_ok(results)
     assert all("BACKWARD ON ONE RANK OK" in r.stdout for r in results)
+
+
+def test_backward_called_on_every_rank_but_the_root_is_an_error_on_every_rank():
+    results = run_world(3, "smp_errors.py", ["backward_not_on_root"], timeout=90)
+    assert_all_ok(results)
+    assert all("BACKWARD NOT ON ROOT OK" in r.stdout for r in results)
 
 
 def test_bad_configuration_is_refused_on_every_rank_before_any_work():

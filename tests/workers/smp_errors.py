@@ -1,6 +1,6 @@
 """Misuse and failures of smdistributed.modelparallel.torch: each case prints (or reports,
 report.py) what every rank saw. argv: case (misuse | bad_config | rank_dies | rank_stops |
-quiet_links | backward_on_one_rank)."""
+quiet_links | backward_on_one_rank | backward_not_on_root)."""
 import os
 import signal
 import sys
@@ -129,8 +129,8 @@ class Slow(nn.Module):
 
 
 def quiet_links():
-    """Links that carry nothing for longer than SMDDP_TIMEOUT (a long forward on partition
-    0; partitions 1 and 2 only ever talk to 0) are quiet, not failed: the step completes."""
+    """Links that carry nothing for longer than SMDDP_TIMEOUT (every link waits while
+    partition 0 runs a long forward) are quiet, not failed: the step completes."""
     smp.init({"partitions": 3, "microbatches": 1, "auto_partition": False, "default_partition": 0})
     slow = Slow()
     with smp.partition(1):
@@ -189,5 +189,45 @@ def backward_on_one_rank():
     print("BACKWARD ON ONE RANK OK", flush=True)
 
 
+def backward_not_on_root():
+    """Three stages, the root's Sequential chained over partitions 1 and 2 (the last starts the
+    backward from its own loss): a step function that calls model.backward everywhere but on
+    the root sends the root input gradients it never asks for. That is an error naming the
+    requirement on every rank, at that step on the root and at the next on the others (they
+    had finished the step; the root's abort reaches them there), never gradients that only
+    some ranks applied or a message taken for an answer of the next step."""
+    smp.init({"partitions": 3, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+    with smp.partition(1):
+        mid = nn.Linear(8, 8)
+    with smp.partition(2):
+        head = nn.Linear(8, 2)
+    model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), mid, nn.ReLU(), head))
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    @smp.step
+    def not_on_root(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        if smp.pp_rank() != 0:
+            model.backward(loss)
+        return loss
+
+    assert torch.isfinite(train_step(model, x, y).reduce_mean())
+    messages = []
+    for step in (not_on_root, train_step):
+        try:
+            step(model, x, y)
+        except smp.StepFailed as e:
+            messages.append(str(e))
+    assert messages and "model.backward was called on some pipeline ranks but not on others" in messages[0], messages
+    print("BACKWARD NOT ON ROOT OK", flush=True)
+
+
 {"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
- "quiet_links": quiet_links, "backward_on_one_rank": backward_on_one_rank}[CASE]()
+ "quiet_links": quiet_links, "backward_on_one_rank": backward_on_one_rank,
+ "backward_not_on_root": backward_not_on_root}[CASE]()

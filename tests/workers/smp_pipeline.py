@@ -90,6 +90,16 @@ def bounce_net(parts):
     return nn.Sequential(first, *middle, head)
 
 
+def frozen_net(parts):
+    """bounce_net with its first layer and partition 1's block frozen (fine-tuning's frozen
+    lower layers): the chain's first hop gets and gives no gradient, so the next hop's inputs
+    need none and it answers the caller itself in the backward."""
+    net = bounce_net(parts)
+    for module in (net[0], net[1]):
+        module.requires_grad_(False)
+    return net
+
+
 VOCAB, SEQ = 12, 6
 
 
@@ -165,6 +175,8 @@ def build():
         return ResidNet(PARTS)
     if MODEL == "bounce":
         return bounce_net(PARTS)
+    if MODEL == "frozen":
+        return frozen_net(PARTS)
     if MODEL == "tied":
         return TiedLM(PARTS)
     if MODEL == "gpt":

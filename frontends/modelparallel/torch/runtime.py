@@ -44,9 +44,15 @@ class StepFailed(RuntimeError):
     """A pipeline step failed on some rank; raised on every rank of the pipeline."""
 
 
+# A call's id: (the pipeline rank that issued it, the step, a count). The step makes a message
+# that arrives after its step ended (model.backward called on some ranks only) an error instead
+# of the answer to a call of the next step.
+CallId = Tuple[int, int, int]
+
+
 @dataclass
 class RemoteCall:
-    call_id: Tuple[int, int]
+    call_id: CallId
     owner: int
     what: str
     inputs: List[torch.Tensor]      # the caller's tensors that need a gradient back
@@ -55,7 +61,7 @@ class RemoteCall:
     # Where the outputs' gradients go: the call's owner, or for a chain the last hop's owner
     # and its frame (call_remote).
     bwd_owner: Optional[int] = None
-    bwd_id: Optional[Tuple[int, int]] = None
+    bwd_id: Optional[CallId] = None
 
 
 @dataclass
@@ -80,7 +86,8 @@ class ServedFrame:
     leases: List[Any] = field(default_factory=list)  # freed when its backward is done
     # A hop of a chain after the first: the previous hop's frame, which takes this frame's
     # input gradients as its own backward request (None: they go back to the caller).
-    parent: Optional[Tuple[int, int]] = None
+    parent: Optional[CallId] = None
+    origin: Optional[Tuple[int, CallId]] = None  # (caller, call id) that the chain answers
 
 
 _local = threading.local()
@@ -104,6 +111,7 @@ class PipelineRuntime:
         self.root_owner = 0
         self.root: Optional[torch.nn.Module] = None
         self._broken: Optional[str] = None
+        self._step = 0  # steps started; every rank of the pipeline runs the same ones
         # Called once per step, on a worker thread, when no more gradient can reach this rank's
         # parameters this step (overlapping_allreduce starts the data-parallel reduction there).
         self.on_grads_final: Optional[Callable[[], None]] = None
@@ -133,7 +141,7 @@ class PipelineRuntime:
         self._abort_sent = False
         self._token = ComputeToken(self.aborted, self.timeline if self.timeline.enabled else None)
         self._waiters: Dict[Any, Waiter] = {}
-        self._frames: Dict[Tuple[int, int], ServedFrame] = {}
+        self._frames: Dict[CallId, ServedFrame] = {}
         self._ids = itertools.count()
         self._threads: List[TaskHandle] = []
         self._serve_queues: Dict[str, collections.deque] = {"fwd": collections.deque(), "bwd": collections.deque()}
@@ -142,7 +150,7 @@ class PipelineRuntime:
         self._started = 0
         self._first_computed = 0  # microbatches that have taken the compute token once
         # mb -> (id of the served call that made its output, the call its caller waits on)
-        self._output_frames: Dict[int, Tuple[Tuple[int, int], Tuple[int, Tuple[int, int]]]] = {}
+        self._output_frames: Dict[int, Tuple[CallId, Tuple[int, CallId]]] = {}
         self._finished = 0
         self._at_backward = 0
         self._serving_backward = 0
@@ -156,6 +164,7 @@ class PipelineRuntime:
                  grad_enabled: bool, autocast: Dict[str, Any], pipeline: str, active: int) -> List[Any]:
         if self._broken is not None:
             raise StepFailed(f"smp.step: an earlier step failed ({self._broken}); the pipeline cannot continue")
+        self._step += 1
         self._reset()
         # Enough workers for every task this step can have at once: microbatches and receivers
         # (served calls run on their own pool).
@@ -190,6 +199,14 @@ class PipelineRuntime:
             for t in receivers:
                 self._join(t)
             self._join_all()
+            with self._lock:
+                # (A skipped backward's answer has no body: an evaluation step's, unasked.)
+                stray = [k for k, w in self._waiters.items()
+                         if k[0] == "bwd_done" and (w.unclaimed() or (None,))[0] is not None]
+            if stray and self._error is None:  # the others learn it from the abort, at their next step
+                self._abort(StepFailed(self._uneven_backward(
+                    f"pipeline rank {self.pp_rank} got input gradients of {len(stray)} call(s) whose backward "
+                    "it never asked for")))
         except BaseException as e:  # KeyboardInterrupt on this rank: tell the others
             self._abort(e)
             raise
@@ -396,11 +413,12 @@ class PipelineRuntime:
             torch.autograd.backward(seeds, seed_grads, retain_graph=bool(calls))
         for call in reversed(calls):
             if call.owner_starts_backward:
+                keeper = call.owner if call.bwd_owner is None else call.bwd_owner  # a chain's last hop
                 in_grads = self._wait(("bwd_done", call.call_id), f"the backward of {call.what} on partition "
-                                      f"{call.owner} (started there from its copy of the loss)")
+                                      f"{keeper} (started there from its copy of the loss)")
                 if in_grads is None:
                     raise StepFailed(
-                        f"pipeline rank {call.owner} returned from the step function of microbatch "
+                        f"pipeline rank {keeper} returned from the step function of microbatch "
                         f"{current_task().mb} without calling model.backward, but it holds the model's last "
                         "layers and starts the backward from its own copy of the loss; call model.backward "
                         "on every rank (or set SMDDP_SMP_OUTPUT_BACKWARD=0)")
@@ -432,7 +450,7 @@ class PipelineRuntime:
             where = f"module '{path or '<root>'}'"
             raise RuntimeError(f"smp: {where} lives on partition {owner}; call the model inside an "
                                "smp.step function")
-        call_id = (self.pp_rank, next(self._ids))
+        call_id = (self.pp_rank, self._step, next(self._ids))
         what = f"module '{path or '<root>'}'" + (f" children {span[0]}..{span[1] - 1}" if span else "")
         owner_starts = (produces_output and self.output_backward and task.kind == "step" and
                         task.model_calls == 1 and torch.is_grad_enabled())
@@ -564,6 +582,11 @@ class PipelineRuntime:
                     self._abort(StepFailed(self._describe(
                         f"the link from pipeline rank {src} (global rank {self.global_ranks[src]}) failed", e)))
                 return
+            if msg.kind in ("fwd", "bwd", "fwd_done", "bwd_done") and msg.fields["id"][1] != self._step:
+                self._abort(StepFailed(self._uneven_backward(
+                    f"pipeline rank {src} sent pipeline rank {self.pp_rank} a '{msg.kind}' of step "
+                    f"{msg.fields['id'][1]} after that step ended here")))
+                return
             if msg.kind in ("fwd", "bwd"):
                 self._queue_serve(msg.kind, (src, msg, tensors, specs, ready))
             elif msg.kind in ("fwd_done", "bwd_done", "out"):
@@ -663,7 +686,7 @@ class PipelineRuntime:
         origin = tuple(f["reply"]) if "reply" in f else (f["id"][0], f["id"])  # (caller, its call id)
         if chain:
             (nxt, span), rest = chain[0], chain[1:]
-            hop = {"id": (self.pp_rank, next(self._ids)), "mb": f["mb"], "path": f["path"], "span": span,
+            hop = {"id": (self.pp_rank, self._step, next(self._ids)), "mb": f["mb"], "path": f["path"], "span": span,
                    "grad": f["grad"], "output": f["output"], "reply": origin, "parent": f["id"]}
             if rest:
                 hop["chain"] = rest
@@ -679,7 +702,7 @@ class PipelineRuntime:
         local = out if f.get("output") and not chain else None  # the caller sends this rank no copy of it
         if outputs:  # stored before the answer goes: the backward may follow at once
             with self._lock:
-                self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls, task.leases, f.get("parent"))
+                self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls, task.leases, f.get("parent"), origin)
                 if local is not None:
                     self._output_frames[f["mb"]] = (f["id"], origin)
         else:
@@ -710,14 +733,23 @@ class PipelineRuntime:
             self.graphs.release(frame.leases)
             with self._lock:
                 self._serving_backward -= 1
-        if frame.parent is None:
-            return call_id[0], Message("bwd_done", {"id": call_id}, [t.grad for t in frame.inputs])
+        if frame.parent is None or not frame.inputs:
+            # The first hop, or a hop whose inputs need no gradient (so the hops before it kept
+            # no frame): the caller's answer.
+            caller, origin_id = frame.origin
+            return caller, Message("bwd_done", {"id": origin_id}, [t.grad for t in frame.inputs])
         # The previous hop's outputs are this frame's inputs, in order; it seeds its backward
         # with all of them.
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in frame.inputs]
         return call_id[0], Message("bwd", {"id": frame.parent, "mb": current_task().mb}, grads)
 
     # -- failure ----------------------------------------------------------------------------------
+    @staticmethod
+    def _uneven_backward(what: str) -> str:
+        return (f"smp: {what}: model.backward was called on some pipeline ranks but not on others in "
+                "the same step; call model.backward on every rank (each runs the step function on the "
+                "same output)")
+
     def _describe(self, what: str, e: BaseException) -> str:
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__)[-6:])
         return (f"pipeline rank {self.pp_rank} (global rank {self.global_ranks[self.pp_rank]}): {what}: "

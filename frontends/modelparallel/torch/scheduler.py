@@ -131,6 +131,7 @@ class Waiter:
         self._done = threading.Event()
         self._value = None
         self._error: Optional[BaseException] = None
+        self._claimed = False
 
     def set(self, value) -> None:
         self._value = value
@@ -149,5 +150,12 @@ class Waiter:
             raise self._error
         # One consumer: the message's tensors (an output copy, input gradients) are not kept
         # until the end of the step (the runtime keeps its waiters until then).
+        self._claimed = True
         value, self._value = self._value, None
         return value
+
+    def unclaimed(self):
+        """The value that arrived if nobody waited for it, else None."""
+        if self._done.is_set() and self._error is None and not self._claimed:
+            return self._value
+        return None

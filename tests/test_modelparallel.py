@@ -218,18 +218,19 @@ def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline)
                     else {p: 0 for p in range(parts)}), last
 
 
-@pytest.mark.parametrize("procs, model, env, hops", [
-    (3, "seq", {}, [0, 20, 0]),
-    (4, "seq", {}, [0, 20, 20, 0]),
-    (3, "bounce", {}, [0, 20, 0]),
-    (4, "bounce", {}, [0, 20, 20, 0]),
-    (3, "seq", {"SMDDP_SMP_OUTPUT_BACKWARD": "0"}, [0, 20, 0]),
-    (3, "seq", {"SMDDP_SMP_CHAIN_CALLS": "0"}, [0, 0, 0]),
-    (3, "frozen", {}, [0, 20, 0]),
-    (4, "frozen", {}, [0, 20, 20, 0]),
+@pytest.mark.parametrize("procs, model, pipeline, env, hops", [
+    (3, "seq", "interleaved", {}, [0, 20, 0]),
+    (4, "seq", "simple", {}, [0, 20, 20, 0]),
+    (3, "bounce", "simple", {}, [0, 20, 0]),
+    (4, "bounce", "interleaved", {}, [0, 20, 20, 0]),
+    (3, "seq", "interleaved", {"SMDDP_SMP_OUTPUT_BACKWARD": "0"}, [0, 20, 0]),
+    (3, "seq", "simple", {"SMDDP_SMP_CHAIN_CALLS": "0"}, [0, 0, 0]),
+    (3, "frozen", "interleaved", {}, [0, 20, 0]),
+    (4, "frozen", "simple", {}, [0, 20, 20, 0]),
 ], ids=["seq-pp3", "seq-pp4", "bounce-pp3", "bounce-pp4", "seq-pp3-root-asks-backward", "seq-pp3-unchained",
         "frozen-pp3", "frozen-pp4"])
-def test_chained_calls_send_activations_stage_to_stage_and_train_like_one_process(procs, model, env, hops):
+def test_chained_calls_send_activations_stage_to_stage_and_train_like_one_process(procs, model, pipeline, env,
+                                                                                   hops):
     """Runs of a Sequential on partitions 1.. are one chained call: each hop sends its output
     straight to the next stage and its input gradients straight to the previous one (counted
     per rank: 5 steps x 4 microbatches). Covered: the last hop keeping the model output and
@@ -238,16 +239,15 @@ def test_chained_calls_send_activations_stage_to_stage_and_train_like_one_proces
     frozen first hop whose successor gets no gradient-carrying input and so answers the root
     itself ("frozen"), and the knob off (every run a round trip through the root)."""
     mode = "auto" if model == "seq" else "manual"
-    for pipeline in ("interleaved", "simple"):
-        results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(procs), "4", "5"], timeout=120,
-                            env=env)
-        assert_all_ok(results)
-        reports = sorted((r.event("trained") for r in results), key=lambda r: r["pp_rank"])
-        for r in reports:
-            assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, (pipeline, r)
-            assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
-            assert r["kept_after_steps"] == [], r["kept_after_steps"]
-        assert [r["chained_hops"] for r in reports] == hops, (pipeline, [r["chained_hops"] for r in reports])
+    results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(procs), "4", "5"], timeout=120,
+                        env=env)
+    assert_all_ok(results)
+    reports = sorted((r.event("trained") for r in results), key=lambda r: r["pp_rank"])
+    for r in reports:
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+        assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
+        assert r["kept_after_steps"] == [], r["kept_after_steps"]
+    assert [r["chained_hops"] for r in reports] == hops, [r["chained_hops"] for r in reports]
 
 
 def test_encoder_stack_pipeline_trains_like_one_process_with_the_graph_knob_inert_on_cpu():

@@ -57,11 +57,11 @@ class RemoteCall:
     what: str
     inputs: List[torch.Tensor]      # the caller's tensors that need a gradient back
     outputs: List[torch.Tensor]     # leaves standing for the owner's outputs
-    owner_starts_backward: bool = False  # the owner computed the loss itself (see call_remote)
-    # Where the outputs' gradients go: the call's owner, or for a chain the last hop's owner
-    # and its frame (call_remote).
-    bwd_owner: Optional[int] = None
-    bwd_id: Optional[CallId] = None
+    owner_starts_backward: bool  # the owner computed the loss itself (see call_remote)
+    # Who holds the outputs' graph, and its frame there: the owner and this call, or for a
+    # chain the last hop and its frame (call_remote).
+    bwd_owner: int
+    bwd_id: CallId
 
 
 @dataclass
@@ -91,6 +91,12 @@ class ServedFrame:
 
 
 _local = threading.local()
+
+
+def _grads_or_zeros(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Each tensor's gradient, zeros where none reached it: the gradients a peer seeds its
+    backward of these tensors with."""
+    return [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
 
 
 def current_task() -> Optional[Task]:
@@ -200,9 +206,9 @@ class PipelineRuntime:
                 self._join(t)
             self._join_all()
             with self._lock:
-                # (A skipped backward's answer has no body: an evaluation step's, unasked.)
-                stray = [k for k, w in self._waiters.items()
-                         if k[0] == "bwd_done" and (w.unclaimed() or (None,))[0] is not None]
+                unasked = [w.unclaimed() for k, w in self._waiters.items() if k[0] == "bwd_done"]
+            # (A skipped backward's answer has no body: an evaluation step's, never asked for.)
+            stray = [v for v in unasked if v is not None and v[0] is not None]
             if stray and self._error is None:  # the others learn it from the abort, at their next step
                 self._abort(StepFailed(self._uneven_backward(
                     f"pipeline rank {self.pp_rank} got input gradients of {len(stray)} call(s) whose backward "
@@ -413,20 +419,18 @@ class PipelineRuntime:
             torch.autograd.backward(seeds, seed_grads, retain_graph=bool(calls))
         for call in reversed(calls):
             if call.owner_starts_backward:
-                keeper = call.owner if call.bwd_owner is None else call.bwd_owner  # a chain's last hop
                 in_grads = self._wait(("bwd_done", call.call_id), f"the backward of {call.what} on partition "
-                                      f"{keeper} (started there from its copy of the loss)")
+                                      f"{call.bwd_owner} (started there from its copy of the loss)")
                 if in_grads is None:
                     raise StepFailed(
-                        f"pipeline rank {keeper} returned from the step function of microbatch "
+                        f"pipeline rank {call.bwd_owner} returned from the step function of microbatch "
                         f"{current_task().mb} without calling model.backward, but it holds the model's last "
                         "layers and starts the backward from its own copy of the loss; call model.backward "
                         "on every rank (or set SMDDP_SMP_OUTPUT_BACKWARD=0)")
             else:
-                grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in call.outputs]
-                owner, frame = (call.owner, call.call_id) if call.bwd_owner is None else (call.bwd_owner, call.bwd_id)
-                in_grads = self._request(owner, Message("bwd", {"id": frame, "mb": current_task().mb}, grads),
-                                         ("bwd_done", call.call_id), f"the backward of {call.what}")
+                msg = Message("bwd", {"id": call.bwd_id, "mb": current_task().mb}, _grads_or_zeros(call.outputs))
+                in_grads = self._request(call.bwd_owner, msg, ("bwd_done", call.call_id),
+                                         f"the backward of {call.what}")
             pairs = [(t, g) for t, g in zip(call.inputs, in_grads) if g is not None]
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], retain_graph=True)
@@ -466,7 +470,7 @@ class PipelineRuntime:
         waiter = self._expect(("fwd_done", call_id), f"the forward of {what} on partition {owner}")
         sent = self._without_token(lambda: self.links.send(owner, msg))
         out, tensors, specs = self._wait_on(waiter)
-        tail = None
+        tail = (owner, call_id)
         if chain:  # the last hop answers with its output and where its backward is asked for
             out, tail = out
         inputs = [t for t in sent if t.requires_grad]
@@ -476,8 +480,7 @@ class PipelineRuntime:
                 t.requires_grad_(True)
                 leaves.append(t)
         if leaves:
-            task.calls.append(RemoteCall(call_id, owner, what, inputs, leaves, owner_starts,
-                                         *(tail if tail is not None else (None, None))))
+            task.calls.append(RemoteCall(call_id, owner, what, inputs, leaves, owner_starts, *tail))
         return out
 
     def _request(self, owner: int, msg: Message, key, what: str):
@@ -740,8 +743,7 @@ class PipelineRuntime:
             return caller, Message("bwd_done", {"id": origin_id}, [t.grad for t in frame.inputs])
         # The previous hop's outputs are this frame's inputs, in order; it seeds its backward
         # with all of them.
-        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in frame.inputs]
-        return call_id[0], Message("bwd", {"id": frame.parent, "mb": current_task().mb}, grads)
+        return call_id[0], Message("bwd", {"id": frame.parent, "mb": current_task().mb}, _grads_or_zeros(frame.inputs))
 
     # -- failure ----------------------------------------------------------------------------------
     @staticmethod

@@ -6,6 +6,8 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ import torch.nn as nn  # noqa: E402
 
 from smdistributed.modelparallel.torch.config import ConfigError, resolve  # noqa: E402
 from smdistributed.modelparallel.torch.partition import _linear_partition, auto_assignment  # noqa: E402
+from smdistributed.modelparallel.torch.scheduler import ComputeToken  # noqa: E402
 from smdistributed.modelparallel.torch.step import StepOutput, split_arguments  # noqa: E402
 from smdistributed.modelparallel.torch.topology import Topology  # noqa: E402
 from smdistributed.modelparallel.torch.trace import Tracer  # noqa: E402
@@ -177,6 +180,50 @@ def test_step_output_reductions():
     assert out.concat().shape == (4,) and out.stack().shape == (2, 2)
 
 
+def _holders(token, tasks, start_after=None):
+    """Runs each (name, priority) task on its own thread: take the token, note the name, give it
+    back. Returns the names in the order they held it."""
+    order, threads = [], []
+
+    def run(name, prio):
+        token.acquire(prio)
+        order.append(name)
+        token.release()
+
+    for name, prio in tasks:
+        t = threading.Thread(target=run, args=(name, prio))
+        t.start()
+        threads.append(t)
+        time.sleep(0.05)  # each queued before the next starts
+    if start_after is not None:
+        start_after()
+    return order, threads
+
+
+def test_the_compute_token_waits_for_an_expected_older_task_then_gives_up_on_it():
+    token = ComputeToken(lambda: None)
+    # The holder hands a value to microbatch 0's thread, which is still waking up, and goes on
+    # to newer work: the newer work waits until microbatch 0 has computed.
+    token.acquire((0, 0))
+    token.expect((0, 0), within=5.0)
+    token.release()
+    order, threads = _holders(token, [("mb1", (1, 0)), ("mb0", (0, 0))])
+    for t in threads:
+        t.join(5)
+    assert order == ["mb0", "mb1"], order
+    # An expected task that never asks holds the token back only for `within`.
+    token.expect((0, 0), within=0.1)
+    began = time.perf_counter()
+    order, threads = _holders(token, [("mb2", (2, 0))])
+    threads[0].join(5)
+    assert order == ["mb2"] and time.perf_counter() - began < 2.0, order
+    # Older work is never held back for a newer expected task.
+    token.expect((5, 0), within=5.0)
+    order, threads = _holders(token, [("mb3", (3, 0))])
+    threads[0].join(5)
+    assert order == ["mb3"] and token.older_work_waits((6, 0)) and not token.older_work_waits((4, 0))
+
+
 # -- pipelines of processes --------------------------------------------------------------------------
 LAYOUTS = [(2, 2), (3, 3), (4, 2)]  # (processes, partitions): pp=2, pp=3, pp=2 x dp=2
 CASES = [("skip", "manual", "simple"), ("skip", "manual", "interleaved"), ("skip", "auto", "simple"),
@@ -216,6 +263,12 @@ def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline)
     last = {r["pp_rank"]: r["output_backwards"] for r in reports}
     assert last == ({p: (20 if p == parts - 1 else 0) for p in range(parts)} if model == "seq"
                     else {p: 0 for p in range(parts)}), last
+    # Only the rank that starts the backward keeps a graph on its copy of the loss: the root's
+    # copy of an output whose owner starts the backward is plain data (it held the loss's graph
+    # and ran a backward of it that went nowhere).
+    graphs = {r["pp_rank"]: r["loss_graphs"] for r in reports}
+    starter = parts - 1 if model == "seq" else 0
+    assert graphs == {p: (20 if p == starter else 0) for p in range(parts)}, graphs
 
 
 @pytest.mark.parametrize("procs, model, pipeline, env, hops", [

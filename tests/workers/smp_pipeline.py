@@ -252,6 +252,7 @@ def main():
         else:
             smp.set_activation_checkpointing(model.module[2])
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    loss_graphs = []  # per microbatch: whether this rank's copy of the loss carries a graph
 
     @smp.step
     def train_step(model, x, y):
@@ -259,6 +260,7 @@ def main():
         logits = out["logits"] if isinstance(out, dict) else out
         assert logits.dtype == (torch.bfloat16 if AUTOCAST else torch.float32), logits.dtype
         loss = loss_of(out, y)
+        loss_graphs.append(loss.requires_grad)
         model.backward(loss)
         return loss
 
@@ -286,7 +288,7 @@ def main():
     report("trained", rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(), param_rel_err=worst,
            loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses,
            output_backwards=model._runtime.output_backwards, chained_hops=model._runtime.chained_hops,
-           kept_after_steps=step_tensors_alive(),
+           loss_graphs=sum(loss_graphs), kept_after_steps=step_tensors_alive(),
            forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters),
            link_ctas=link_ctas())
 

@@ -26,7 +26,7 @@ import itertools
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 FORWARD = "fwd"
 BACKWARD = "bwd"
@@ -57,19 +57,45 @@ class ComputeToken:
         self._queue: list = []  # heap of (priority, seq, thread id, event)
         self._seq = itertools.count()
         self._aborted = aborted
+        self._expected: Dict[Any, float] = {}  # priority of a task about to ask -> until when to wait for it
+
+    def expect(self, prio, within: float = 0.05) -> None:
+        """A task of priority `prio` is about to ask for the token (a thread that was just handed
+        the value it waited for, still waking up): until it asks, or for `within` seconds at most,
+        the token goes to no task of larger priority. Without this, the thread that hands over
+        the value takes the token back for its next, newer work before the woken one gets there.
+        (Measured on 2 x H200: the last stage's runner started the next microbatch's forward
+        before the loss and backward of the one it had just finished, one layer's activations
+        more at the stage's peak and one layer's delay for the backward the first stage waits on.)"""
+        with self._lock:
+            self._expected[prio] = time.perf_counter() + within
+
+    def _older_expected(self, prio) -> bool:
+        """Whether a task older than `prio` is about to ask (caller holds the lock)."""
+        if not self._expected:
+            return False
+        now = time.perf_counter()
+        for p in [p for p, until in self._expected.items() if until < now]:
+            del self._expected[p]  # it did not come in time: stop holding the token for it
+        return any(p < prio for p in self._expected)
 
     def acquire(self, prio, label: str = "") -> None:
         me = threading.get_ident()
         with self._lock:
-            if self._holder is None and not self._queue:
+            self._expected.pop(prio, None)
+            if self._holder is None and not self._queue and not self._older_expected(prio):
                 self._take(label)
                 return
             entry = (prio, next(self._seq), me, threading.Event())
             heapq.heappush(self._queue, entry)
+            if self._holder is None:  # held back for an expected task: this may be it, or come after it
+                self._hand_over()
         event = entry[3]
         while True:
             event.wait(0.5)
             with self._lock:
+                if self._holder is None:
+                    self._hand_over()  # an expected task that never came
                 if self._holder == me:
                     self._take(label)
                     return
@@ -88,8 +114,9 @@ class ComputeToken:
         self._since, self._label = time.perf_counter(), label
 
     def _hand_over(self) -> None:
-        """To the first waiter, or to nobody (caller holds the lock)."""
-        if self._queue:
+        """To the first waiter, or to nobody: none waits, or an older task is about to ask
+        (caller holds the lock)."""
+        if self._queue and not self._older_expected(self._queue[0][0]):
             _, _, thread, event = heapq.heappop(self._queue)
             self._holder = thread
             event.set()
@@ -99,7 +126,7 @@ class ComputeToken:
     def older_work_waits(self, prio) -> bool:
         """Whether a task of smaller priority (older work) waits for the token."""
         with self._lock:
-            return bool(self._queue) and self._queue[0][0] < prio
+            return (bool(self._queue) and self._queue[0][0] < prio) or self._older_expected(prio)
 
     def release(self) -> None:
         with self._lock:

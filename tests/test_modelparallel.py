@@ -419,6 +419,12 @@ def test_backward_called_on_every_rank_but_the_root_is_an_error_on_every_rank():
     assert all("BACKWARD NOT ON ROOT OK" in r.stdout for r in results)
 
 
+def test_backward_called_twice_in_a_microbatch_is_an_error_on_every_rank():
+    results = run_world(2, "smp_errors.py", ["backward_twice"], timeout=90)
+    assert_all_ok(results)
+    assert all("BACKWARD TWICE OK" in r.stdout for r in results)
+
+
 def test_bad_configuration_is_refused_on_every_rank_before_any_work():
     results = run_world(2, "smp_errors.py", ["bad_config"], timeout=90)
     assert_all_ok(results)

@@ -1,6 +1,7 @@
 """Misuse and failures of smdistributed.modelparallel.torch: each case prints (or reports,
 report.py) what every rank saw. argv: case (misuse | bad_config | rank_dies | rank_stops |
-quiet_links | backward_on_one_rank | backward_not_on_root)."""
+quiet_links | backward_on_one_rank | backward_not_on_root |
+backward_twice)."""
 import os
 import signal
 import sys
@@ -228,6 +229,28 @@ def backward_not_on_root():
     print("BACKWARD NOT ON ROOT OK", flush=True)
 
 
+def backward_twice():
+    """model.backward twice in one microbatch: the second call would reach this rank's part of
+    the model only (the other partitions ran theirs at the first), so it is an error on every
+    rank, not gradients that miss the other partitions' share of the second loss."""
+    smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+    with smp.partition(1):
+        head = nn.Linear(8, 2)
+    model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), head))
+
+    @smp.step
+    def two_losses(model, x, y):
+        out = model(x)
+        loss = F.cross_entropy(out, y)
+        model.backward(loss)
+        model.backward(out.pow(2).mean())
+        return loss
+
+    expect(smp.StepFailed, "model.backward was called twice",
+           lambda: two_losses(model, torch.randn(4, 8), torch.randint(0, 2, (4,))))
+    print("BACKWARD TWICE OK", flush=True)
+
+
 {"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
  "quiet_links": quiet_links, "backward_on_one_rank": backward_on_one_rank,
- "backward_not_on_root": backward_not_on_root}[CASE]()
+ "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice}[CASE]()

@@ -74,6 +74,7 @@ class Task:
     calls: List[RemoteCall] = field(default_factory=list)
     model_calls: int = 0
     reached_backward: bool = False
+    backward_called: bool = False  # model.backward ran in this microbatch (once only)
     output_producer: Optional[int] = None  # the rank that keeps this model call's output (call_remote)
     leases: List[Any] = field(default_factory=list)  # graph instances its forward used (stage_graphs.py)
 
@@ -148,6 +149,7 @@ class PipelineRuntime:
         self._token = ComputeToken(self.aborted, self.timeline if self.timeline.enabled else None)
         self._waiters: Dict[Any, Waiter] = {}
         self._frames: Dict[CallId, ServedFrame] = {}
+        self._served_mbs: set = set()  # microbatches with a frame served here this step
         self._ids = itertools.count()
         self._threads: List[TaskHandle] = []
         self._serve_queues: Dict[str, collections.deque] = {"fwd": collections.deque(), "bwd": collections.deque()}
@@ -361,6 +363,12 @@ class PipelineRuntime:
         task = current_task()
         if task is None:
             raise RuntimeError("smp: DistributedModel.backward was called outside an smp.step function")
+        if task.backward_called:
+            # The other partitions ran their part of the backward at the first call: a second
+            # would reach this rank's part only, and train on gradients missing their share.
+            raise RuntimeError("smp: model.backward was called twice in one microbatch of the step function; "
+                               "add the losses and call model.backward once")
+        task.backward_called = True
         self.backward_seen = True
         if not task.reached_backward:
             task.reached_backward = True
@@ -386,7 +394,9 @@ class PipelineRuntime:
         if produced is not None:
             self._backward_from_output(produced[0], seeds, seed_grads)
             return
-        self._backward(task.calls, seeds, seed_grads)
+        # This microbatch's graph here is the step's own unless a call served here made part of
+        # it (a module that keeps a tensor from one call for the next can join two graphs).
+        self._backward(task.calls, seeds, seed_grads, last_use=task.mb not in self._served_mbs)
         task.calls = []
 
     def _seeds(self, tensors, grads):
@@ -414,7 +424,13 @@ class PipelineRuntime:
         self._without_token(lambda: self.links.send(dst, msg))
         self._check_grads_final()
 
-    def _backward(self, calls: List[RemoteCall], seeds, seed_grads) -> None:
+    def _backward(self, calls: List[RemoteCall], seeds, seed_grads, last_use: bool = False) -> None:
+        """Autograd from `seeds`, then from each call's inputs once the call's owner returns
+        their gradients. Every traversal but the last keeps the graph (a skip connection can
+        take two of them through the same nodes). `last_use`: no other traversal of this graph
+        follows on this rank, so the last one frees each node's saved tensors as it goes, as a
+        plain backward does (measured on an H200: the first stage kept a layer's activations
+        more at its peak while the graph waited for the end of the microbatch)."""
         if seeds:
             torch.autograd.backward(seeds, seed_grads, retain_graph=bool(calls))
         for call in reversed(calls):
@@ -433,7 +449,8 @@ class PipelineRuntime:
                                          f"the backward of {call.what}")
             pairs = [(t, g) for t, g in zip(call.inputs, in_grads) if g is not None]
             if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs], retain_graph=True)
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs],
+                                        retain_graph=not (last_use and call is calls[0]))
 
     # -- remote calls ---------------------------------------------------------------------------
     def call_remote(self, owner: int, path: str, span: Optional[Tuple[int, int]], args, kwargs,
@@ -717,6 +734,7 @@ class PipelineRuntime:
         if outputs:  # stored before the answer goes: the backward may follow at once
             with self._lock:
                 self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls, task.leases, f.get("parent"), origin)
+                self._served_mbs.add(f["mb"])
                 if local is not None:
                     self._output_frames[f["mb"]] = (f["id"], origin)
         else:

@@ -79,6 +79,14 @@ class ComputeToken:
             del self._expected[p]  # it did not come in time: stop holding the token for it
         return any(p < prio for p in self._expected)
 
+    def _next_wait(self) -> float:
+        """How long a waiter sleeps before it looks again (caller holds the lock): until the
+        first expectation runs out, if the token may be held back for it; else half a second
+        (the abort check)."""
+        if not self._expected:
+            return 0.5
+        return min(0.5, max(0.001, min(self._expected.values()) - time.perf_counter() + 0.001))
+
     def acquire(self, prio, label: str = "") -> None:
         me = threading.get_ident()
         with self._lock:
@@ -90,9 +98,10 @@ class ComputeToken:
             heapq.heappush(self._queue, entry)
             if self._holder is None:  # held back for an expected task: this may be it, or come after it
                 self._hand_over()
+            timeout = self._next_wait()
         event = entry[3]
         while True:
-            event.wait(0.5)
+            event.wait(timeout)
             with self._lock:
                 if self._holder is None:
                     self._hand_over()  # an expected task that never came
@@ -100,6 +109,7 @@ class ComputeToken:
                     self._take(label)
                     return
                 event.clear()  # woken by wake(): look at the abort flag, then wait again
+                timeout = self._next_wait()
             if (err := self._aborted()) is not None:
                 with self._lock:
                     if self._holder == me:  # handed over meanwhile: pass it on

@@ -1,6 +1,6 @@
-"""The pipeline benchmarks' model, loss and smp step function (pipeline_bench.py,
-pipeline_profile.py, smp_overhead_profile.py): a stack of TransformerEncoderLayers, the mean
-square of the output against a target, SGD."""
+"""The pipeline benchmarks' model, loss and step functions (pipeline_bench.py,
+pipeline_profile.py, pipeline_peak_memory.py, smp_overhead_profile.py): a stack of
+TransformerEncoderLayers, the mean square of the output against a target, SGD."""
 import torch
 
 
@@ -23,3 +23,41 @@ def smp_train_step(smp):
         return loss
 
     return train_step
+
+
+def smp_training_step(smp, n_layers, x, y):
+    """The whole bf16 model under smp with SGD: (the DistributedModel, a training step that
+    zeroes the gradients, runs the @smp.step function and steps the optimizer)."""
+    model = smp.DistributedModel(torch.nn.Sequential(*encoder_layers(n_layers)).to(torch.bfloat16), trace_device="gpu")
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    train_step = smp_train_step(smp)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        train_step(model, x, y)
+        opt.step()
+
+    return model, step
+
+
+def torch_1f1b_training_step(n_layers, rank, pp, dev, group, m, x, y):
+    """torch's Schedule1F1B over this rank's even share of the bf16 model, SGD: a training step
+    (the first stage feeds `x`, the last computes the loss against `y`)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    part = torch.nn.Sequential(*encoder_layers(n_layers)[rank * n_layers // pp:(rank + 1) * n_layers // pp])
+    part = part.to(dev, torch.bfloat16)
+    sched = Schedule1F1B(PipelineStage(part, rank, pp, dev, group=group), n_microbatches=m, loss_fn=loss_fn)
+    opt = torch.optim.SGD(part.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            sched.step(x)
+        elif rank == pp - 1:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+        opt.step()
+
+    return step

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import smdistributed.modelparallel.torch as smp
-from pipeline_model import encoder_layers, loss_fn, smp_train_step
+from pipeline_model import smp_training_step, torch_1f1b_training_step
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--micro", type=int, default=4)
@@ -97,36 +97,11 @@ def main():
     y = torch.randn(B, S, D, generator=g).to(dev, torch.bfloat16)
     nccl = dist.new_group(backend="nccl")
     if "torch_1f1b" in args.only:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-        part = torch.nn.Sequential(*encoder_layers(L)[rank * L // pp:(rank + 1) * L // pp]).to(dev, torch.bfloat16)
-        sched = Schedule1F1B(PipelineStage(part, rank, pp, dev, group=nccl), n_microbatches=m, loss_fn=loss_fn)
-        opt = torch.optim.SGD(part.parameters(), lr=1e-3)
-
-        def torch_step():
-            opt.zero_grad(set_to_none=True)
-            if rank == 0:
-                sched.step(x)
-            elif rank == pp - 1:
-                sched.step(target=y, losses=[])
-            else:
-                sched.step()
-            opt.step()
-
-        analyse(f"torch_1f1b_m{m}", torch_step, rank)
-        del part, sched, opt, torch_step
-        gc.collect()
+        analyse(f"torch_1f1b_m{m}", torch_1f1b_training_step(L, rank, pp, dev, nccl, m, x, y), rank)
+        gc.collect()  # its stage and schedule, before smp's step is measured
         dist.barrier(group=nccl)
     if "smp" in args.only:
-        model = smp.DistributedModel(torch.nn.Sequential(*encoder_layers(L)).to(torch.bfloat16), trace_device="gpu")
-        opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-        train_step = smp_train_step(smp)
-
-        def smp_step():
-            opt.zero_grad(set_to_none=True)
-            train_step(model, x, y)
-            opt.step()
-
+        _, smp_step = smp_training_step(smp, L, x, y)
         analyse(f"smp_interleaved_m{m}_a{args.active}", smp_step, rank)
     dist.barrier(group=nccl)
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 import smdistributed.modelparallel.torch as smp
-from pipeline_model import encoder_layers, loss_fn, smp_train_step
+from pipeline_model import smp_training_step, torch_1f1b_training_step
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--micro", type=int, default=4)
@@ -93,38 +93,13 @@ def main():
     nccl = dist.new_group(backend="nccl")
     barrier = lambda: dist.barrier(group=nccl)  # noqa: E731
     if "torch_1f1b" in args.only:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-        part = torch.nn.Sequential(*encoder_layers(L)[rank * L // pp:(rank + 1) * L // pp]).to(dev, torch.bfloat16)
-        sched = Schedule1F1B(PipelineStage(part, rank, pp, dev, group=nccl), n_microbatches=m, loss_fn=loss_fn)
-        opt = torch.optim.SGD(part.parameters(), lr=1e-3)
-
-        def torch_step():
-            opt.zero_grad(set_to_none=True)
-            if rank == 0:
-                sched.step(x)
-            elif rank == pp - 1:
-                sched.step(target=y, losses=[])
-            else:
-                sched.step()
-            opt.step()
-
-        measure(f"torch_1f1b_m{m}", torch_step, rank, barrier)
-        del part, sched, opt
-    model = smp.DistributedModel(torch.nn.Sequential(*encoder_layers(L)).to(torch.bfloat16), trace_device="gpu")
-    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-    train_step = smp_train_step(smp)
+        measure(f"torch_1f1b_m{m}", torch_1f1b_training_step(L, rank, pp, dev, nccl, m, x, y), rank, barrier)
+    model, smp_step = smp_training_step(smp, L, x, y)
     base = smp._state.cfg
     for pipeline in ("interleaved", "simple"):
         if f"smp_{pipeline}" not in args.only:
             continue
         smp._state.cfg = dataclasses.replace(base, pipeline=pipeline)
-
-        def smp_step():
-            opt.zero_grad(set_to_none=True)
-            train_step(model, x, y)
-            opt.step()
-
         measure(f"smp_{pipeline}_m{m}", smp_step, rank, barrier)
         if model._runtime.graphs.enabled:  # evidence that the figures are of graphed runs
             print(f"[rank {rank}] smp_{pipeline}_m{m} graphs {dict(model._runtime.graphs.counters)}", flush=True)

@@ -151,15 +151,21 @@ def quiet_links():
     print("QUIET OK", flush=True)
 
 
+def two_stage_classifier():
+    """A Sequential root whose last child lives on partition 1, so the last stage starts the
+    backward from its own loss."""
+    smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+    with smp.partition(1):
+        head = nn.Linear(8, 2)
+    return smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), head))
+
+
 def backward_on_one_rank():
     """The last stage starts the backward from its own loss (a Sequential root whose last
     children live on partition 1): an evaluation step without backward still works, and a step
     function that calls model.backward on rank 0 only gets an error naming the requirement on
     both ranks, not a hang."""
-    smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
-    with smp.partition(1):
-        head = nn.Linear(8, 2)
-    model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), head))
+    model = two_stage_classifier()
 
     # An evaluation step with gradients enabled and no backward anywhere works (the last
     # stage's kept output is dropped), and so does training afterwards.
@@ -233,10 +239,7 @@ def backward_twice():
     """model.backward twice in one microbatch: the second call would reach this rank's part of
     the model only (the other partitions ran theirs at the first), so it is an error on every
     rank, not gradients that miss the other partitions' share of the second loss."""
-    smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
-    with smp.partition(1):
-        head = nn.Linear(8, 2)
-    model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), head))
+    model = two_stage_classifier()
 
     @smp.step
     def two_losses(model, x, y):

@@ -88,13 +88,6 @@ const std::vector<ConfigVar>& config_table() {
        "one chained call: each stage sends its output straight to the next and, in the backward, "
        "its input gradients straight to the previous one, so activations cross each stage boundary "
        "once. 0: every run is a call that returns to the rank running the Sequential (the root)"},
-      {"SMDDP_SMP_EARLY_GRADIENTS", "auto",
-       "smp pipelines: when a stage's backward of a served call sends nothing but its input "
-       "gradients, the header of that message goes before the backward is issued (a gradient's "
-       "shape is its input's), so the stage receiving it posts its receives and issues its own "
-       "backward while this stage's host still issues this one. auto: for CUDA gradients (a CPU "
-       "receiver blocks until the data comes, so there is nothing to gain); 1: also for CPU "
-       "tensors; 0: the message goes after the backward"},
       {"SMDDP_SMP_P2P_MAX_CTAS", "2",
        "smp pipelines on CUDA: the most thread blocks (SMs) one NCCL transfer between two pipeline "
        "stages may occupy. A stage posts its receives as soon as the peer announces a message, so "

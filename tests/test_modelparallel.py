@@ -274,32 +274,26 @@ def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline)
     assert graphs == {p: (20 if p == starter else 0) for p in range(parts)}, graphs
 
 
-EARLY = {"SMDDP_SMP_EARLY_GRADIENTS": "1"}  # on CPU too (its default is CUDA only)
-
-
-@pytest.mark.parametrize("procs, model, pipeline, env, hops, announced", [
-    (3, "seq", "interleaved", {}, [0, 20, 0], [0, 0, 0]),
-    (4, "seq", "simple", EARLY, [0, 20, 20, 0], [0, 20, 20, 20]),
-    (3, "bounce", "simple", EARLY, [0, 20, 0], [0, 20, 20]),
-    (4, "bounce", "interleaved", {}, [0, 20, 20, 0], [0, 0, 0, 0]),
-    (3, "seq", "interleaved", {"SMDDP_SMP_OUTPUT_BACKWARD": "0", **EARLY}, [0, 20, 0], [0, 20, 20]),
-    (3, "seq", "simple", {"SMDDP_SMP_CHAIN_CALLS": "0", **EARLY}, [0, 0, 0], [0, 20, 20]),
-    (3, "frozen", "interleaved", EARLY, [0, 20, 0], [0, 0, 0]),  # no input gradient, nothing announced
-    (4, "frozen", "simple", {}, [0, 20, 20, 0], [0, 0, 0, 0]),
-], ids=["seq-pp3", "seq-pp4-early", "bounce-pp3-early", "bounce-pp4", "seq-pp3-root-asks-backward-early",
-        "seq-pp3-unchained-early", "frozen-pp3-early", "frozen-pp4"])
+@pytest.mark.parametrize("procs, model, pipeline, env, hops", [
+    (3, "seq", "interleaved", {}, [0, 20, 0]),
+    (4, "seq", "simple", {}, [0, 20, 20, 0]),
+    (3, "bounce", "simple", {}, [0, 20, 0]),
+    (4, "bounce", "interleaved", {}, [0, 20, 20, 0]),
+    (3, "seq", "interleaved", {"SMDDP_SMP_OUTPUT_BACKWARD": "0"}, [0, 20, 0]),
+    (3, "seq", "simple", {"SMDDP_SMP_CHAIN_CALLS": "0"}, [0, 0, 0]),
+    (3, "frozen", "interleaved", {}, [0, 20, 0]),
+    (4, "frozen", "simple", {}, [0, 20, 20, 0]),
+], ids=["seq-pp3", "seq-pp4", "bounce-pp3", "bounce-pp4", "seq-pp3-root-asks-backward", "seq-pp3-unchained",
+        "frozen-pp3", "frozen-pp4"])
 def test_chained_calls_send_activations_stage_to_stage_and_train_like_one_process(procs, model, pipeline, env,
-                                                                                   hops, announced):
+                                                                                   hops):
     """Runs of a Sequential on partitions 1.. are one chained call: each hop sends its output
     straight to the next stage and its input gradients straight to the previous one (counted
     per rank: 5 steps x 4 microbatches). Covered: the last hop keeping the model output and
     starting the backward ("seq"), a chain whose result returns to the root, which then asks
     the last hop for the backward ("bounce", and "seq" with SMDDP_SMP_OUTPUT_BACKWARD=0), a
     frozen first hop whose successor gets no gradient-carrying input and so answers the root
-    itself ("frozen"), and the knob off (every run a round trip through the root).
-    `-early` cases send each gradient message's header before the backward that computes it
-    (SMDDP_SMP_EARLY_GRADIENTS, counted per rank); the others send it after, as on CPU by
-    default."""
+    itself ("frozen"), and the knob off (every run a round trip through the root)."""
     mode = "auto" if model == "seq" else "manual"
     results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(procs), "4", "5"], timeout=120,
                         env=env)
@@ -310,7 +304,6 @@ def test_chained_calls_send_activations_stage_to_stage_and_train_like_one_proces
         assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
         assert r["kept_after_steps"] == [], r["kept_after_steps"]
     assert [r["chained_hops"] for r in reports] == hops, [r["chained_hops"] for r in reports]
-    assert [r["announced_gradients"] for r in reports] == announced, [r["announced_gradients"] for r in reports]
 
 
 def test_encoder_stack_pipeline_trains_like_one_process_with_the_graph_knob_inert_on_cpu():
@@ -433,12 +426,6 @@ def test_backward_called_twice_in_a_microbatch_is_an_error_on_every_rank():
     results = run_world(2, "smp_errors.py", ["backward_twice"], timeout=90)
     assert_all_ok(results)
     assert all("BACKWARD TWICE OK" in r.stdout for r in results)
-
-
-def test_a_backward_that_raises_after_its_gradients_were_announced_fails_every_rank():
-    results = run_world(2, "smp_errors.py", ["backward_raises"], timeout=90, env={"SMDDP_SMP_EARLY_GRADIENTS": "1"})
-    assert_all_ok(results)
-    assert all("BACKWARD RAISES OK" in r.stdout for r in results)
 
 
 def test_bad_configuration_is_refused_on_every_rank_before_any_work():

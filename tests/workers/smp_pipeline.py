@@ -288,7 +288,6 @@ def main():
     report("trained", rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(), param_rel_err=worst,
            loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses,
            output_backwards=model._runtime.output_backwards, chained_hops=model._runtime.chained_hops,
-           announced_gradients=model._runtime.announced_gradients,
            loss_graphs=sum(loss_graphs), kept_after_steps=step_tensors_alive(),
            forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters),
            link_ctas=link_ctas())

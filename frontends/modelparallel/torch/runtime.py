@@ -35,7 +35,7 @@ from smdistributed.common import config
 
 from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
 from .stage_graphs import StageGraphs
-from .wire import Links, Message, QuietLink, encode, take
+from .wire import Links, Message, encode, take
 from .timeline import Timeline
 from .workers import TaskHandle, WorkerPool
 
@@ -100,13 +100,6 @@ def _grads_or_zeros(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     return [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
 
 
-def _early_gradients_mode() -> str:
-    mode = config.value("SMDDP_SMP_EARLY_GRADIENTS").strip().lower()
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"smp: SMDDP_SMP_EARLY_GRADIENTS must be auto, 0 or 1, not {mode!r}")
-    return mode
-
-
 def current_task() -> Optional[Task]:
     return getattr(_local, "task", None)
 
@@ -140,8 +133,6 @@ class PipelineRuntime:
         self.chain_calls = config.value("SMDDP_SMP_CHAIN_CALLS") != "0"  # see call_remote
         self.chained_hops = 0  # forwards this rank passed straight to the next hop of a chain, ever
         self.output_backwards = 0  # microbatches whose backward this rank started from its own loss, ever
-        self.early_gradients = _early_gradients_mode()
-        self.announced_gradients = 0  # gradient messages whose header went before their backward, ever
         self.timeline = Timeline(global_ranks[pp_rank])
         if self.timeline.enabled:
             links.timeline = self.timeline
@@ -427,11 +418,10 @@ class PipelineRuntime:
         the same output values). Backward starts here, as torch's last pipeline stage does it,
         and the input gradients go to the caller unasked: no round trip through the root for the
         gradient of the output."""
-        answer = self._frame_backward(call_id, seeds, seed_grads)
+        dst, msg = self._frame_backward(call_id, seeds, seed_grads)
         with self._lock:
             self.output_backwards += 1
-        if answer is not None:
-            self._without_token(lambda: self.links.send(*answer))
+        self._without_token(lambda: self.links.send(dst, msg))
         self._check_grads_final()
 
     def _backward(self, calls: List[RemoteCall], seeds, seed_grads, last_use: bool = False) -> None:
@@ -614,11 +604,9 @@ class PipelineRuntime:
         while True:
             try:
                 msg, tensors, specs, ready = self.links.receive(src)
-            except QuietLink:
-                if self._error is None:
-                    continue  # this peer had nothing to say yet, not a fault
-                return
             except BaseException as e:
+                if "made no progress" in str(e) and self._error is None:
+                    continue  # a quiet link (this peer had nothing to say yet), not a fault
                 if self._error is None:
                     self._abort(StepFailed(self._describe(
                         f"the link from pipeline rank {src} (global rank {self.global_ranks[src]}) failed", e)))
@@ -694,14 +682,11 @@ class PipelineRuntime:
                         if local is not None:  # this microbatch's step function computes next, here
                             self._token.expect(priority(FORWARD, f["mb"], self.pipeline))
                     else:
-                        answer, local = self._serve_backward(f, msg.body), None
-                        dst = None  # the answer went early (announced before the backward)
-                        if answer is not None:
-                            dst, (meta, out) = answer[0], encode(answer[1])[:2]
+                        dst, reply = self._serve_backward(f, msg.body)
+                        (meta, out), local = encode(reply)[:2], None
                 finally:
                     self._token.release()
-            if dst is not None:
-                self.links.send_encoded(dst, meta, out)
+            self.links.send_encoded(dst, meta, out)
             if local is not None:  # this rank's own copy of the model output, with its graph
                 self._deliver(("out", f["mb"], 0), (local, [], [], None))
         except BaseException as e:
@@ -760,64 +745,34 @@ class PipelineRuntime:
             out_tensors = [t.detach().clone() for t in out_tensors]
         return dst, meta, out_tensors, local
 
-    def _serve_backward(self, f, grads) -> Optional[Tuple[int, Message]]:
+    def _serve_backward(self, f, grads) -> Tuple[int, Message]:
         answer = self._frame_backward(f["id"], None, list(grads))
         self._check_grads_final()
         return answer
 
-    def _frame_backward(self, call_id, seeds, seed_grads) -> Optional[Tuple[int, Message]]:
+    def _frame_backward(self, call_id, seeds, seed_grads) -> Tuple[int, Message]:
         """The backward of a call this rank served, from `seeds` (None: the call's outputs);
         returns where the gradients of the call's inputs go and the message that carries them:
-        the caller's answer, or the previous hop's backward request for a chain's later hop
-        (None: that message went already, announced before the backward, see
-        _announce_gradients). Counted as serving a backward meanwhile, so this rank's gradients
-        are not taken for final."""
+        the caller's answer, or the previous hop's backward request for a chain's later hop.
+        Counted as serving a backward meanwhile, so this rank's gradients are not taken for
+        final."""
         with self._lock:
             frame = self._frames.pop(call_id)
             self._serving_backward += 1
-        if frame.parent is None or not frame.inputs:
-            # The first hop, or a hop whose inputs need no gradient (so the hops before it kept
-            # no frame): the caller's answer.
-            dst, kind, fields = frame.origin[0], "bwd_done", {"id": frame.origin[1]}
-        else:
-            # The previous hop's outputs are this frame's inputs, in order; it seeds its
-            # backward with all of them.
-            dst, kind, fields = call_id[0], "bwd", {"id": frame.parent, "mb": current_task().mb}
-        early = self._announce_gradients(dst, kind, fields, frame)
         try:
             self._backward(frame.calls, frame.outputs if seeds is None else seeds, seed_grads)
-        except BaseException:
-            if early is not None:
-                early.cancel()
-            raise
         finally:
             self.graphs.release(frame.leases)
             with self._lock:
                 self._serving_backward -= 1
-        if early is not None:
-            early.send(_grads_or_zeros(frame.inputs))
-            return None
-        grads = [t.grad for t in frame.inputs] if kind == "bwd_done" else _grads_or_zeros(frame.inputs)
-        return dst, Message(kind, fields, grads)
-
-    def _announce_gradients(self, dst: int, kind: str, fields: dict, frame: ServedFrame):
-        """Sends the header of the message that will carry the gradients of `frame`'s inputs
-        before their backward is issued, when their shapes are known beforehand (a gradient
-        has its tensor's shape and dtype) and this backward sends nothing else (no remote call
-        of its own). The receiving stage then posts its receives and issues its own backward
-        at once, its GPU waiting for the data, instead of waiting for this rank's host to issue
-        the whole backward first: the two hosts issue their backwards side by side, as
-        torch's pipeline stages do. A gradient that does not reach an input travels as zeros.
-        None: announced not (the message goes after the backward, as before)."""
-        if self.early_gradients == "0" or frame.calls or not frame.inputs:
-            return None
-        if self.early_gradients == "auto" and not all(t.is_cuda for t in frame.inputs):
-            return None  # a CPU peer blocks on the data anyway: nothing to gain
-        meta, _, specs = encode(Message(kind, fields, list(frame.inputs)))
-        announcement = self.links.announce(dst, meta, specs)
-        with self._lock:
-            self.announced_gradients += 1
-        return announcement
+        if frame.parent is None or not frame.inputs:
+            # The first hop, or a hop whose inputs need no gradient (so the hops before it kept
+            # no frame): the caller's answer.
+            caller, origin_id = frame.origin
+            return caller, Message("bwd_done", {"id": origin_id}, [t.grad for t in frame.inputs])
+        # The previous hop's outputs are this frame's inputs, in order; it seeds its backward
+        # with all of them.
+        return call_id[0], Message("bwd", {"id": frame.parent, "mb": current_task().mb}, _grads_or_zeros(frame.inputs))
 
     # -- failure ----------------------------------------------------------------------------------
     @staticmethod

@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 import pickle
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -32,11 +32,6 @@ TAG_META = 7102
 TAG_PAYLOAD = 7103
 HEADER_BYTES = 4096
 _LEN = 8
-
-
-class QuietLink(RuntimeError):
-    """No message began on a link within the engine's timeout: the peer had nothing to say yet
-    (a long step on its side), which is not a fault."""
 
 
 @dataclass
@@ -105,7 +100,6 @@ class Links:
         self._cuda_groups = cuda_groups  # (src pp rank, dst pp rank) -> one-way group
         self._device = device
         self._locks = {p: threading.Lock() for p in range(len(pp_ranks)) if p != me}
-        self._announcing: Dict[int, int] = {}  # dst -> the thread whose announced message holds the link
         self.timeline = None  # set by the runtime: sends and receives appear in its trace
         # CUDA receives run on a stream of their own per peer: on the shared default stream an
         # NCCL receive would first wait for all compute queued before it, and the sender's
@@ -121,87 +115,40 @@ class Links:
         return tensors
 
     def send_encoded(self, dst: int, meta: bytes, tensors: List[torch.Tensor]) -> None:
-        with self._link(dst):
-            self._post_header(dst, meta)
-            self._post_payload(dst, tensors)
-
-    def announce(self, dst: int, meta: bytes, specs: List[TensorSpec]) -> "Announcement":
-        """Sends a message's header now and its tensors later (Announcement.send): the peer
-        posts its receives and goes on issuing work that waits for them on its GPU, while this
-        rank still issues the work that computes them. The link stays this message's until the
-        tensors go: nothing else is sent to `dst` meanwhile (a message from the same thread
-        is an error, since it would wait for itself)."""
-        lock = self._locks[dst]
-        if self._announcing.get(dst) == threading.get_ident():
-            raise RuntimeError(self._waits_for_itself(dst))
-        lock.acquire()
-        try:
-            self._announcing[dst] = threading.get_ident()
-            self._post_header(dst, meta)
-        except BaseException:
-            self._announcing.pop(dst, None)
-            lock.release()
-            raise
-        return Announcement(self, dst, specs)
-
-    @contextmanager
-    def _link(self, dst: int):
-        if self._announcing.get(dst) == threading.get_ident():
-            raise RuntimeError(self._waits_for_itself(dst))
-        with self._locks[dst]:
-            yield
-
-    def _waits_for_itself(self, dst: int) -> str:
-        return (f"smp: pipeline rank {self._me} sent pipeline rank {dst} a message while the gradients it "
-                "announced to that rank were still being computed (the backward of a served call sent "
-                "again to its caller); set SMDDP_SMP_EARLY_GRADIENTS=0")
-
-    def _post_header(self, dst: int, meta: bytes) -> None:
         header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
         header[:_LEN] = torch.frombuffer(bytearray(len(meta).to_bytes(_LEN, "little")), dtype=torch.uint8)
         inline = min(len(meta), HEADER_BYTES - _LEN)
         if inline:
             header[_LEN:_LEN + inline] = torch.frombuffer(bytearray(meta[:inline]), dtype=torch.uint8)
         peer = self._ranks[dst]
-        works = [dist.isend(header, peer, group=self._group, tag=TAG_HEADER)]
-        if len(meta) > inline:
-            rest = torch.frombuffer(bytearray(meta[inline:]), dtype=torch.uint8)
-            works.append(dist.isend(rest, peer, group=self._group, tag=TAG_META))
-        for w in works:
-            w.wait()
-
-    def _post_payload(self, dst: int, tensors: List[torch.Tensor]) -> None:
-        peer = self._ranks[dst]
-        works, launched = [], []
-        held = []  # contiguous copies must live until their sends finish
-        for t in tensors:
-            data = t.detach().contiguous()
-            held.append(data)
-            if data.is_cuda:
-                launched.append(dist.isend(data, peer, group=self._cuda_group(self._me, dst)))
-            else:
-                works.append(dist.isend(data, peer, group=self._group, tag=TAG_PAYLOAD))
-        for w in works:
-            w.wait()
-        # A CUDA send is launched (is_completed flushes held-back point-to-point work) but
-        # not waited on: the sender's stream goes on computing while NCCL reads the data;
-        # the allocator keeps the memory until the send is done (record_stream).
-        for w in launched:
-            w.is_completed()
+        with self._locks[dst]:
+            works = [dist.isend(header, peer, group=self._group, tag=TAG_HEADER)]
+            held = []  # contiguous copies must live until their sends finish
+            if len(meta) > inline:
+                rest = torch.frombuffer(bytearray(meta[inline:]), dtype=torch.uint8)
+                works.append(dist.isend(rest, peer, group=self._group, tag=TAG_META))
+            launched = []
+            for t in tensors:
+                data = t.detach().contiguous()
+                held.append(data)
+                if data.is_cuda:
+                    launched.append(dist.isend(data, peer, group=self._cuda_group(self._me, dst)))
+                else:
+                    works.append(dist.isend(data, peer, group=self._group, tag=TAG_PAYLOAD))
+            for w in works:
+                w.wait()
+            # A CUDA send is launched (is_completed flushes held-back point-to-point work) but
+            # not waited on: the sender's stream goes on computing while NCCL reads the data;
+            # the allocator keeps the memory until the send is done (record_stream).
+            for w in launched:
+                w.is_completed()
 
     def receive(self, src: int) -> Tuple[Message, List[torch.Tensor], List[TensorSpec], Optional[Any]]:
         """The next message from pipeline rank `src` (only its receiver thread calls this), and
         a CUDA event that the consumer's stream must wait for before it uses the tensors."""
         peer = self._ranks[src]
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        try:
-            dist.recv(header, peer, group=self._group, tag=TAG_HEADER)
-        except RuntimeError as e:
-            if "made no progress" in str(e):
-                raise QuietLink(str(e)) from e
-            raise
-        # From here on the link is inside a message: a receive that times out now is a fault
-        # (the rest of the message is lost), not a quiet link.
+        dist.recv(header, peer, group=self._group, tag=TAG_HEADER)
         raw = header.numpy().tobytes()
         n = int.from_bytes(raw[:_LEN], "little")
         if n > (1 << 31):
@@ -246,44 +193,3 @@ def take(tensors: List[torch.Tensor], ready) -> None:
     for t in tensors:
         if t.is_cuda:
             t.record_stream(stream)
-
-
-class Announcement:
-    """A message whose header went out (Links.announce) and whose tensors go with send():
-    exactly the announced shapes and dtypes, since the peer's receives are posted for them."""
-
-    def __init__(self, links: Links, dst: int, specs: List[TensorSpec]):
-        self._links, self._dst, self._specs = links, dst, specs
-        self._open = True
-
-    def send(self, tensors: List[torch.Tensor]) -> None:
-        bad = [i for i, (t, s) in enumerate(zip(tensors, self._specs))
-               if tuple(t.shape) != s.shape or t.dtype != s.dtype or t.is_cuda != s.on_cuda]
-        if len(tensors) != len(self._specs) or bad:
-            self.cancel()
-            raise RuntimeError(
-                f"smp: the tensors sent after an announced header do not match it (tensor(s) {bad} of "
-                f"{len(tensors)}, announced {len(self._specs)}): internal error, please report it")
-        try:
-            self._links._post_payload(self._dst, tensors)
-        finally:
-            self._close()
-
-    def cancel(self) -> None:
-        """The tensors could not be made: zeros of the announced shapes go instead, so that the
-        peer's posted receives complete and the link stays in step (the caller then fails the
-        step on every rank)."""
-        if not self._open:
-            return
-        try:
-            self._links._post_payload(self._dst, [
-                torch.zeros(s.shape, dtype=s.dtype, device=self._links._device if s.on_cuda else "cpu")
-                for s in self._specs])
-        finally:
-            self._close()
-
-    def _close(self) -> None:
-        if self._open:
-            self._open = False
-            self._links._announcing.pop(self._dst, None)
-            self._links._locks[self._dst].release()

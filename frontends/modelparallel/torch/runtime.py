@@ -35,7 +35,7 @@ from smdistributed.common import config
 
 from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
 from .stage_graphs import StageGraphs
-from .wire import Links, Message, encode, take
+from .wire import Links, Message, QuietLink, encode, take
 from .timeline import Timeline
 from .workers import TaskHandle, WorkerPool
 
@@ -604,9 +604,11 @@ class PipelineRuntime:
         while True:
             try:
                 msg, tensors, specs, ready = self.links.receive(src)
+            except QuietLink:
+                if self._error is None:
+                    continue  # this peer had nothing to say yet, not a fault
+                return
             except BaseException as e:
-                if "made no progress" in str(e) and self._error is None:
-                    continue  # a quiet link (this peer had nothing to say yet), not a fault
                 if self._error is None:
                     self._abort(StepFailed(self._describe(
                         f"the link from pipeline rank {src} (global rank {self.global_ranks[src]}) failed", e)))

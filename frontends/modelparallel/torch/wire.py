@@ -34,6 +34,11 @@ HEADER_BYTES = 4096
 _LEN = 8
 
 
+class QuietLink(RuntimeError):
+    """No message began on a link within the engine's timeout: the peer had nothing to say yet
+    (a long step on its side), which is not a fault."""
+
+
 @dataclass
 class TensorSpec:
     shape: Tuple[int, ...]
@@ -148,7 +153,14 @@ class Links:
         a CUDA event that the consumer's stream must wait for before it uses the tensors."""
         peer = self._ranks[src]
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        dist.recv(header, peer, group=self._group, tag=TAG_HEADER)
+        try:
+            dist.recv(header, peer, group=self._group, tag=TAG_HEADER)
+        except RuntimeError as e:
+            if "made no progress" in str(e):
+                raise QuietLink(str(e)) from e
+            raise
+        # From here on the link is inside a message: a receive that times out now is a fault
+        # (the rest of the message is lost), not a quiet link.
         raw = header.numpy().tobytes()
         n = int.from_bytes(raw[:_LEN], "little")
         if n > (1 << 31):

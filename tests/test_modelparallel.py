@@ -645,6 +645,12 @@ def test_links_quiet_for_longer_than_the_timeout_are_not_failures():
     assert all("QUIET OK" in r.stdout for r in results)
 
 
+def test_a_message_that_stops_halfway_is_a_fault_not_a_quiet_link():
+    results = run_world(2, "smp_errors.py", ["message_stops_halfway"], env={"SMDDP_TIMEOUT": "2"}, timeout=90)
+    assert_all_ok(results)
+    assert all("HALFWAY OK" in r.stdout for r in results)
+
+
 def test_join_trains_replicas_with_uneven_inputs():
     results = run_world(4, "smp_join.py", timeout=120)
     assert_all_ok(results)

@@ -1,7 +1,7 @@
 """Misuse and failures of smdistributed.modelparallel.torch: each case prints (or reports,
 report.py) what every rank saw. argv: case (misuse | bad_config | rank_dies | rank_stops |
 quiet_links | backward_on_one_rank | backward_not_on_root |
-backward_twice)."""
+backward_twice | message_stops_halfway)."""
 import os
 import signal
 import sys
@@ -254,6 +254,47 @@ def backward_twice():
     print("BACKWARD TWICE OK", flush=True)
 
 
+def message_stops_halfway():
+    """Between two pipeline ranks' links (SMDDP_TIMEOUT=2, set by the test): a wait for a
+    message that has not begun is a quiet link, but a message whose header came and whose
+    tensors stop coming is a fault. (Both used to read as quiet, and the receiver then took
+    the rest of the broken message for the start of the next.)"""
+    import torch.distributed as dist
+    from smdistributed.modelparallel.torch import wire
+    from smdistributed.modelparallel.torch.state import state
+    from smdistributed.modelparallel.torch.wire import Links, Message, QuietLink, encode
+
+    smp.init({"partitions": 2, "microbatches": 1})
+    smp.mp_barrier()  # the link's group is up on both ranks before either goes quiet
+    links = Links(state.pp_group, list(state.topo.pp_group), smp.pp_rank(), {}, torch.device("cpu"))
+    pause = 3.0  # longer than SMDDP_TIMEOUT
+    if smp.pp_rank() == 1:
+        time.sleep(pause)
+        # A header as Links.send_encoded writes it, then nothing more for a while.
+        meta, tensors, _ = encode(Message("fwd_done", {"id": (1, 1, 0)}, torch.ones(4)))
+        header = torch.zeros(wire.HEADER_BYTES, dtype=torch.uint8)
+        header[:wire._LEN] = torch.tensor(list(len(meta).to_bytes(wire._LEN, "little")), dtype=torch.uint8)
+        header[wire._LEN:wire._LEN + len(meta)] = torch.tensor(list(meta), dtype=torch.uint8)
+        dist.send(header, state.topo.pp_group[0], group=state.pp_group, tag=wire.TAG_HEADER)
+        time.sleep(pause)
+        try:
+            dist.send(tensors[0], state.topo.pp_group[0], group=state.pp_group, tag=wire.TAG_PAYLOAD)
+        except RuntimeError:
+            pass  # nobody reads it any more: failing here is right too
+    else:
+        expect(QuietLink, "made no progress", lambda: links.receive(1))
+        try:
+            links.receive(1)
+        except QuietLink as e:
+            raise AssertionError(f"a message stopped halfway was taken for a quiet link: {e}")
+        except RuntimeError as e:
+            assert "made no progress" in str(e), e
+        else:
+            raise AssertionError("a message whose tensors never came was received")
+    print("HALFWAY OK", flush=True)
+
+
 {"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
  "quiet_links": quiet_links, "backward_on_one_rank": backward_on_one_rank,
- "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice}[CASE]()
+ "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice,
+ "message_stops_halfway": message_stops_halfway}[CASE]()

@@ -270,11 +270,10 @@ def message_stops_halfway():
     pause = 3.0  # longer than SMDDP_TIMEOUT
     if smp.pp_rank() == 1:
         time.sleep(pause)
-        # A header as Links.send_encoded writes it, then nothing more for a while.
+        # A message's header (its meta fits), then nothing more for a while.
         meta, tensors, _ = encode(Message("fwd_done", {"id": (1, 1, 0)}, torch.ones(4)))
-        header = torch.zeros(wire.HEADER_BYTES, dtype=torch.uint8)
-        header[:wire._LEN] = torch.tensor(list(len(meta).to_bytes(wire._LEN, "little")), dtype=torch.uint8)
-        header[wire._LEN:wire._LEN + len(meta)] = torch.tensor(list(meta), dtype=torch.uint8)
+        header, inline = wire.header_for(meta)
+        assert inline == len(meta)
         dist.send(header, state.topo.pp_group[0], group=state.pp_group, tag=wire.TAG_HEADER)
         time.sleep(pause)
         try:

@@ -89,6 +89,17 @@ def encode(msg: Message) -> Tuple[bytes, List[torch.Tensor], List[TensorSpec]]:
     return pickle.dumps((specs, buf.getvalue()), protocol=pickle.HIGHEST_PROTOCOL), tensors, specs
 
 
+def header_for(meta: bytes) -> Tuple[torch.Tensor, int]:
+    """A message's header (the meta's length, then as much of the meta as fits) and how many
+    bytes of the meta it carries; the rest goes as TAG_META."""
+    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    header[:_LEN] = torch.frombuffer(bytearray(len(meta).to_bytes(_LEN, "little")), dtype=torch.uint8)
+    inline = min(len(meta), HEADER_BYTES - _LEN)
+    if inline:
+        header[_LEN:_LEN + inline] = torch.frombuffer(bytearray(meta[:inline]), dtype=torch.uint8)
+    return header, inline
+
+
 def decode(meta: bytes, tensors: List[torch.Tensor]) -> Message:
     kind, fields, body = _Unpickler(io.BytesIO(meta), tensors).load()
     return Message(kind, fields, body)
@@ -120,11 +131,7 @@ class Links:
         return tensors
 
     def send_encoded(self, dst: int, meta: bytes, tensors: List[torch.Tensor]) -> None:
-        header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-        header[:_LEN] = torch.frombuffer(bytearray(len(meta).to_bytes(_LEN, "little")), dtype=torch.uint8)
-        inline = min(len(meta), HEADER_BYTES - _LEN)
-        if inline:
-            header[_LEN:_LEN + inline] = torch.frombuffer(bytearray(meta[:inline]), dtype=torch.uint8)
+        header, inline = header_for(meta)
         peer = self._ranks[dst]
         with self._locks[dst]:
             works = [dist.isend(header, peer, group=self._group, tag=TAG_HEADER)]

@@ -98,6 +98,10 @@ def variants(nccl_group):
     yield "torch DDP, nccl, bucket view", lambda m: TorchDDP(m, device_ids=[m_dev(m)], process_group=nccl_group,
                                                              gradient_as_bucket_view=True, static_graph=True,
                                                              bucket_cap_mb=100)
+    # The reducer's own cost, the bound of any backend: DDP over a group of this rank alone
+    # runs every autograd hook, bucket copy and launch, and communicates nothing across GPUs.
+    yield "torch DDP, one-rank group (reducer alone)", lambda m: TorchDDP(m, device_ids=[m_dev(m)],
+                                                                         process_group=_own_group())
     yield "torch DDP, smddp, no communication", lambda m: _with_hook(TorchDDP(m, device_ids=[m_dev(m)]), None,
                                                                      _no_communication)
     yield "torch DDP, smddp, reduce after backward", lambda m: _with_hook(
@@ -163,6 +167,16 @@ def _smddp_group_with(**env):
     for k in env:
         del os.environ[k]
     return group
+
+
+def _own_group():
+    """A NCCL group of this rank alone (every rank makes every singleton, as new_group needs)."""
+    mine = None
+    for r in range(dist.get_world_size()):
+        group = dist.new_group([r], backend="nccl")
+        if r == dist.get_rank():
+            mine = group
+    return mine
 
 
 def _nccl_group_with_ctas(ctas):

@@ -21,6 +21,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 def style(name: str) -> dict:
     # Colour: whose configuration; line: a diagnostic variant of it.
     line = ":" if "no checks" in name else "-." if "bucket view" in name else "--" if "checks wait" in name else None
+    if "reducer alone" in name:  # the bound of any backend under torch's reducer
+        return dict(color="black", marker="x", linestyle="-", linewidth=2)
     if name.startswith("smdistributed"):
         return dict(color="tab:red", marker="o")
     if "smddp" in name:

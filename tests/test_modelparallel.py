@@ -51,6 +51,9 @@ def test_sagemaker_parameters_win_over_the_dict_and_the_alias_is_accepted():
     ({}, 2, "'partitions' (the pipeline-parallel degree) is required"),
     ({"partitions": 2, "pipeline": "1f1b"}, 2, "'pipeline' must be one of"),
     ({"partitions": 2, "tensor_parallel_degree": 2}, 2, "not supported"),
+    ({"partitions": 2, "bf16": True}, 2, "'bf16': true is not supported by this implementation; train in bfloat16"),
+    ({"partitions": 2, "fp16": True}, 2, "'fp16': true is not supported by this implementation; train in half"),
+    ({"partitions": 2, "fp16": "yes"}, 2, "'fp16' must be true or false"),
 ])
 def test_bad_configuration_is_refused_with_the_key_named(config, world, fragment):
     with pytest.raises(ConfigError) as e:
@@ -171,6 +174,22 @@ def test_split_follows_nesting_axes_and_non_split_inputs():
     assert tuple(args[4:]) + tuple(kwargs.values()) == (2.0,)  # scale, passed through whole
     with pytest.raises(ValueError, match="6 samples along axis 0, which 4 microbatches do not divide"):
         split_arguments(fn, (x, {}, torch.ones(3, 8), None), {}, 4, [], {})
+
+
+def test_a_mapping_that_is_not_a_dict_is_split_and_keeps_its_type():
+    from collections import UserDict
+
+    class Encoding(UserDict):  # as Hugging Face's BatchEncoding: a UserDict with more state
+        encodings = "kept"
+
+    def fn(batch):
+        return batch
+
+    x = torch.arange(12).reshape(6, 2)
+    mbs = split_arguments(fn, (Encoding(input_ids=x, attention_mask=x > 3),), {}, 3, [], {})
+    (batch,), _ = mbs[2]
+    assert type(batch) is Encoding and batch.encodings == "kept"
+    assert torch.equal(batch["input_ids"], x[4:]) and torch.equal(batch["attention_mask"], x[4:] > 3)
 
 
 def test_step_output_reductions():

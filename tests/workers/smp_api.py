@@ -2,6 +2,7 @@
 helpers, and DistributedModel's partition-time methods (hooks, local_*, state_dict, cpu).
 argv: placement (cluster | spread). Prints "API OK" on success."""
 import sys
+from collections import UserDict
 
 import torch
 import torch.distributed as dist
@@ -161,6 +162,92 @@ def check_two_model_calls_in_one_step():
             assert torch.allclose(grads[name].grad, p.grad, rtol=1e-5, atol=1e-7), name
 
 
+def _reference_with_grads(model, x, out_grad):
+    plain = build()
+    plain.load_state_dict(model.state_dict())
+    out = plain(x)
+    out.backward(out_grad(out))
+    return plain
+
+
+def _assert_local_grads_equal(model, plain):
+    grads = dict(model.local_named_parameters())
+    assert grads
+    for name, p in plain.named_parameters():
+        if name in grads:
+            assert torch.allclose(grads[name].grad, p.grad, rtol=1e-5, atol=1e-7), name
+
+
+def check_backward_with_output_gradients():
+    """model.backward(tensors, grads), a lone gradient tensor as torch.autograd.backward takes
+    it: each microbatch's output gradient, averaged over the 2 microbatches by default."""
+    model = smp._state.model
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(8, 6, generator=g)
+
+    @smp.step
+    def with_grads(model, x):
+        out = model(x)
+        model.backward([out], torch.full_like(out, 0.5))
+        return out
+
+    for p in model.parameters():
+        p.grad = None
+    with_grads(model, x)
+    _assert_local_grads_equal(model, _reference_with_grads(model, x, lambda o: torch.full_like(o, 0.5 / 2)))
+
+
+def check_gradients_summed_over_microbatches():
+    """average_grads_across_microbatches=False: microbatch gradients add up, as one backward of
+    the batch's summed loss."""
+    model = smp._state.model
+    model.average_grads_across_microbatches = False
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(8, 6, generator=g)
+
+    @smp.step
+    def summed(model, x):
+        loss = model(x).pow(2).sum()
+        model.backward(loss)
+        return loss
+
+    for p in model.parameters():
+        p.grad = None
+    summed(model, x)
+    model.average_grads_across_microbatches = True
+    _assert_local_grads_equal(model, _reference_with_grads(model, x, lambda o: 2 * o.detach()))
+
+
+def check_mapping_batches_are_split():
+    """A batch in a mapping that is not a dict (Hugging Face's BatchEncoding is a UserDict) is
+    split into microbatches like a dict, and keeps its type."""
+    model = smp._state.model
+    g = torch.Generator().manual_seed(17)
+    batch = UserDict(x=torch.randn(8, 6, generator=g), tag="b")
+
+    @smp.step
+    def from_mapping(model, batch):
+        assert isinstance(batch, UserDict) and batch["x"].shape == (4, 6) and batch["tag"] == "b", batch
+        return model(batch["x"])
+
+    with torch.no_grad():
+        out = from_mapping(model, batch)
+    plain = build()
+    plain.load_state_dict(model.state_dict())
+    assert torch.allclose(out.concat(), plain(batch["x"]), rtol=1e-5, atol=1e-6)
+
+
+def check_dtype_casts_apply():
+    """model.to(dtype) casts every parameter (device moves alone are ignored); smp.checkpoint is
+    the activation-checkpointing function, not the checkpoint module."""
+    assert callable(smp.checkpoint) and smp.checkpoint.__name__ == "checkpoint"
+    model = smp._state.model
+    assert model.to("cpu") is model
+    model.to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    model.to(torch.float32)
+
+
 smp.init({"partitions": 2, "microbatches": 2, "ddp": True,
           "placement_strategy": PLACEMENT})
 check_ranks_and_groups()
@@ -168,4 +255,8 @@ check_object_helpers()
 check_model_api()
 check_called_step_form()
 check_two_model_calls_in_one_step()
+check_backward_with_output_gradients()
+check_gradients_summed_over_microbatches()
+check_mapping_batches_are_split()
+check_dtype_casts_apply()
 print("API OK", flush=True)

@@ -31,6 +31,10 @@ KEYS: Dict[str, tuple] = {
                                     "by microbatch priority here"),
     "tensor_parallel_degree": (1, "only 1 is supported"),
     "horovod": (False, "only False is supported (the TensorFlow-Horovod mode of the original)"),
+    "fp16": (False, "only False is supported: train in half precision with torch.autocast inside "
+                    "the smp.step function and smp.amp.GradScaler"),
+    "bf16": (False, "only False is supported: train in bfloat16 with torch.autocast inside the "
+                    "smp.step function, or cast the model with model.to(torch.bfloat16)"),
 }
 ALIASES = {"pipeline_parallel_degree": "partitions"}
 
@@ -54,6 +58,8 @@ class Config:
     deterministic_server: bool = False
     tensor_parallel_degree: int = 1
     horovod: bool = False
+    fp16: bool = False
+    bf16: bool = False
     source: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -118,7 +124,7 @@ def resolve(config: Optional[Dict[str, Any]], world_size: int, environ=None) -> 
     _choice(cfg, "pipeline", ("simple", "interleaved"))
     _choice(cfg, "optimize", ("speed", "memory"))
     _choice(cfg, "placement_strategy", ("cluster", "spread"))
-    for name in ("auto_partition", "ddp", "deterministic_server", "horovod"):
+    for name in ("auto_partition", "ddp", "deterministic_server", "horovod", "fp16", "bf16"):
         _bool(cfg, name)
     if cfg["memory_weight"] is None:
         cfg["memory_weight"] = 0.8 if cfg["optimize"] == "memory" else 0.2
@@ -135,6 +141,10 @@ def resolve(config: Optional[Dict[str, Any]], world_size: int, environ=None) -> 
     if cfg["horovod"]:
         raise ConfigError("smp.init: 'horovod': true (the original's TensorFlow mode) is not supported "
                           "by the PyTorch package")
+    for name in ("fp16", "bf16"):  # the later v1 releases' mixed-precision modes
+        if cfg[name]:
+            raise ConfigError(f"smp.init: {name!r}: true is not supported by this implementation; "
+                              f"{KEYS[name][1].split(': ', 1)[1]}")
     p = cfg["partitions"]
     if cfg["auto_partition"] is False:
         if cfg["default_partition"] is None:

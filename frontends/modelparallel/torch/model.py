@@ -14,6 +14,7 @@ from torch.utils.hooks import RemovableHandle
 from . import grad_sync, partial_state
 from .state_merge import everyone_has_own_part, merge_over_pipeline
 from .activation_checkpointing import checkpointed
+from .nested import is_mapping, mapping_like
 from .optimizer import follow_parameters
 from .partition import auto_assignment, describe, manual_assignment
 from .runtime import PipelineRuntime
@@ -28,8 +29,8 @@ def _to(obj, dev):
         return obj.to(dev)
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         return type(obj)(_to(o, dev) for o in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to(v, dev)) for k, v in obj.items())
+    if is_mapping(obj):
+        return mapping_like(obj, ((k, _to(v, dev)) for k, v in obj.items()))
     return obj
 
 
@@ -107,10 +108,12 @@ class DistributedModel(nn.Module):
             return
         if self._runtime is None:
             raise RuntimeError("smp: DistributedModel.backward was called outside an smp.step function")
+        # As torch.autograd.backward: a lone tensor stands for a list of one, on either side
+        # (list() of a tensor would split it along its first dimension).
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-            grad_tensors = [grad_tensors] if grad_tensors is None or isinstance(grad_tensors, torch.Tensor) \
-                else list(grad_tensors)
+        if isinstance(grad_tensors, torch.Tensor):
+            grad_tensors = [grad_tensors]
         tensors = list(tensors)
         grads = list(grad_tensors) if grad_tensors is not None else [None] * len(tensors)
         if len(grads) != len(tensors):
@@ -118,7 +121,11 @@ class DistributedModel(nn.Module):
         self._runtime.model_backward(tensors, grads)
 
     def to(self, *args, **kwargs):
-        # The library places each partition on its rank's device; moves are ignored, as in the original.
+        # The library places each partition on its rank's device; moves are ignored, as in the
+        # original. A dtype (model.to(torch.bfloat16), model.to(device, dtype)) is applied.
+        _, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None:
+            self.module.to(dtype=dtype, non_blocking=non_blocking)
         return self
 
     def cuda(self, *args, **kwargs):
@@ -240,6 +247,7 @@ class DistributedModel(nn.Module):
             for name, b in list(m._buffers.items()):
                 if b is not None:
                     m._buffers[name] = b.to(dev)
+        self._release_other_partitions()
         for opt in state.optimizers:
             follow_parameters(opt)
         self._tied = TiedParameters.build(self.module, self._owners_of_param, topo)
@@ -255,6 +263,20 @@ class DistributedModel(nn.Module):
             self.load_state_dict(dict(sd, _smp_is_partial=True) if partial else sd, strict=strict)
         for hook in list(self._post_partition_hooks.values()):
             hook(self)
+
+    def _release_other_partitions(self) -> None:
+        """Parameters and buffers that other ranks own go to the CPU: a model moved to the GPU
+        before it was wrapped (manual partitioning keeps it where it is) would otherwise hold
+        the whole model on every rank's GPU."""
+        local = {id(t) for t in self.local_parameters()} | {id(t) for t in self.local_buffers()}
+        cpu = torch.device("cpu")
+        for m in self.module.modules():
+            for p in m.parameters(recurse=False):
+                if id(p) not in local and p.device != cpu:
+                    p.data = p.data.to(cpu)
+            for name, b in list(m._buffers.items()):
+                if b is not None and id(b) not in local and b.device != cpu:
+                    m._buffers[name] = b.to(cpu)
 
     def _auto_partition(self, fn, first_microbatch) -> Dict[str, int]:
         cfg = state.cfg

@@ -8,6 +8,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .nested import is_mapping, mapping_like
 from .state import state
 
 
@@ -53,9 +54,9 @@ def _split(value: Any, m: int, axis: int, where: str) -> List[Any]:
         if hasattr(value, "_fields"):  # namedtuple
             return [rebuild(*[p[i] for p in parts]) for i in range(m)]
         return [rebuild([p[i] for p in parts]) for i in range(m)]
-    if isinstance(value, dict):
+    if is_mapping(value):
         parts = {k: _split(v, m, axis, f"{where}[{k!r}]") for k, v in value.items()}
-        return [type(value)((k, p[i]) for k, p in parts.items()) for i in range(m)]
+        return [mapping_like(value, ((k, p[i]) for k, p in parts.items())) for i in range(m)]
     return [value] * m
 
 
@@ -85,8 +86,8 @@ def _outputs(results: List[Any], detach: bool) -> Any:
         return StepOutput([r.detach() if detach else r for r in results])
     if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
         return type(first)(_outputs([r[i] for r in results], detach) for i in range(len(first)))
-    if isinstance(first, dict):
-        return type(first)((k, _outputs([r[k] for r in results], detach)) for k in first)
+    if is_mapping(first):
+        return mapping_like(first, ((k, _outputs([r[k] for r in results], detach)) for k in first))
     return list(results)
 
 

@@ -13,6 +13,8 @@ from typing import Dict, List
 import torch
 import torch.nn as nn
 
+from .nested import is_mapping
+
 
 @dataclass
 class Trace:
@@ -26,7 +28,7 @@ def _tensor_bytes(obj) -> int:
         return obj.numel() * obj.element_size()
     if isinstance(obj, (list, tuple)):
         return sum(_tensor_bytes(o) for o in obj)
-    if isinstance(obj, dict):
+    if is_mapping(obj):
         return sum(_tensor_bytes(o) for o in obj.values())
     return 0
 

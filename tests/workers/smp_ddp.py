@@ -19,8 +19,8 @@ MODE = sys.argv[1]
 STEPS = 4
 
 
-def build():
-    torch.manual_seed(5)
+def build(seed=5):
+    torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
@@ -29,11 +29,14 @@ g = torch.Generator().manual_seed(6)
 shards = [[(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(STEPS)]
           for _ in range(2)]
 
+# The second replica starts from other weights: the parameters' broadcast over the
+# data-parallel group at partition time must make them the first replica's.
+start = build(5 if smp.dp_rank() == 0 else 99)
 if MODE == "bpps2":
-    model = smp.DistributedModel(build(), backward_passes_per_step=2, overlapping_allreduce=False)
+    model = smp.DistributedModel(start, backward_passes_per_step=2, overlapping_allreduce=False)
     every = 2
 else:
-    model = smp.DistributedModel(build(), bucket_cap_mb=300 / 2**20)  # a bucket per ~300 bytes
+    model = smp.DistributedModel(start, bucket_cap_mb=300 / 2**20)  # a bucket per ~300 bytes
     every = 1
     seen = []
 

@@ -265,6 +265,21 @@ def test_four_stage_pipeline_trains_like_one_process(model, mode, pipeline):
     _check_pipeline_trains_like_one_process(4, 4, model, mode, pipeline)
 
 
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+def test_a_root_on_the_last_partition_and_nested_partition_contexts_train_like_one_process(pipeline):
+    """default_partition 1: the root module (and so each microbatch's forward) runs on pipeline
+    rank 1, not rank 0; the gate is made in smp.partition(1) inside smp.partition(0) and lands
+    on partition 1 (the innermost context wins)."""
+    results = run_world(2, "smp_pipeline.py", ["skip", "manual", pipeline, "2", "4", "3"], timeout=120,
+                        env={"SMP_TEST_DEFAULT_PARTITION": "1", "SMP_TEST_NESTED": "1"})
+    assert_all_ok(results)
+    reports = {r.event("trained")["pp_rank"]: r.event("trained") for r in results}
+    assert {"gate.weight", "head.weight"} <= set(reports[1]["local"]), reports[1]["local"]
+    assert "gate.weight" not in reports[0]["local"] and "embed.weight" in reports[0]["local"]
+    for r in reports.values():
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+
+
 def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):
     results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(parts), "4", "5"], timeout=120)
     assert_all_ok(results)

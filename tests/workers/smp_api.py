@@ -33,6 +33,12 @@ def check_ranks_and_groups():
         dist.all_reduce(t, group=group)
         assert t.item() == sum(members), (t, members)
     assert smp.is_initialized() and not smp.is_tracing()
+    assert (smp.rdp_rank(), smp.rdp_size()) == (smp.dp_rank(), dp)  # no tensor parallelism
+    assert (smp.local_rank(), smp.local_size()) == (rank, size)  # one host
+    for group, members in ((smp.get_pp_process_group(), mp_group), (smp.get_rdp_process_group(), dp_group)):
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        assert t.item() == sum(members), (t, members)
 
 
 def check_object_helpers():
@@ -45,6 +51,20 @@ def check_object_helpers():
         smp.send(("to mp 1", rank), 1, smp.RankType.MP_RANK)
     else:
         assert smp.recv_from(0, smp.RankType.MP_RANK) == ("to mp 1", smp.get_mp_group()[0])
+    # A broadcast over each smaller group reaches its members, which name the sender by their
+    # rank type in that group.
+    if smp.dp_rank() == 0:
+        smp.broadcast(("dp", rank), smp.DP_GROUP)
+    else:
+        assert smp.recv_from(0, smp.RankType.DP_RANK) == ("dp", smp.get_dp_group()[0])
+    if smp.pp_rank() == 1:
+        smp.broadcast(("mp", rank), smp.MP_GROUP)
+    else:
+        assert smp.recv_from(1, smp.RankType.MP_RANK) == ("mp", smp.get_mp_group()[1])
+    if smp.dp_rank() == 1:
+        smp.send(("to dp 0", rank), 0, smp.RankType.DP_RANK)
+    else:
+        assert smp.recv_from(1, smp.RankType.DP_RANK) == ("to dp 0", smp.get_dp_group()[1])
     assert smp.allgather(rank, smp.MP_GROUP) == smp.get_mp_group()
     assert smp.allgather(rank * 10, smp.DP_GROUP) == [r * 10 for r in smp.get_dp_group()]
     assert smp.allgather("x", smp.WORLD) == ["x"] * smp.size()
@@ -77,8 +97,11 @@ def check_model_api():
     model.load_state_dict(shifted)
     assert not model.partitioned
 
+    tracing = []
+
     @smp.step
     def train_step(model, x, y):
+        tracing.append(smp.is_tracing())
         loss = F.cross_entropy(model(x), y)
         model.backward(loss)
         return loss
@@ -87,6 +110,8 @@ def check_model_api():
     x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
     train_step(model, x, y)
     assert model.partitioned and calls == [True], calls
+    # The automatic partition traced the step function once, then it ran per microbatch.
+    assert tracing[0] is True and tracing.count(True) == 1 and not smp.is_tracing(), tracing
     local = dict(model.local_named_parameters())
     assert local and len(local) < len(list(model.parameters()))
     assert all(p.grad is not None for p in local.values())

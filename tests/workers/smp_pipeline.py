@@ -40,14 +40,19 @@ class SkipNet(nn.Module):
     def __init__(self, parts):
         super().__init__()
         last = parts - 1
+        nested = os.environ.get("SMP_TEST_NESTED") == "1"  # the gate made in a context inside another
         with smp.partition(0):
             self.embed = nn.Linear(8, WIDTH)
             self.shared = Block(WIDTH)
+            if nested:
+                with smp.partition(last):  # the innermost context wins
+                    self.gate = nn.Linear(WIDTH, WIDTH)
         with smp.partition(min(1, last)):
             self.middle = nn.Sequential(Block(WIDTH), Block(WIDTH))
         with smp.partition(last):
             self.head = nn.Linear(WIDTH, 4)
-            self.gate = nn.Linear(WIDTH, WIDTH)
+            if not nested:
+                self.gate = nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x, scale=1.0):
         h = self.embed(x)
@@ -215,8 +220,8 @@ def batches(dp_rank, dp_size):
 def main():
     cfg = {"partitions": PARTS, "microbatches": MBS, "pipeline": PIPELINE,
            "auto_partition": MODE == "auto", "ddp": True}
-    if MODE == "manual":
-        cfg["default_partition"] = 0
+    if MODE == "manual":  # the root module and anything outside smp.partition contexts
+        cfg["default_partition"] = int(os.environ.get("SMP_TEST_DEFAULT_PARTITION", "0"))
     if ACTIVE is not None:
         cfg["active_microbatches"] = ACTIVE
     smp.init(cfg)

@@ -478,6 +478,25 @@ def test_a_rank_that_dies_mid_step_is_named_on_every_other_rank():
     assert not leftovers, leftovers
 
 
+def test_a_rank_that_dies_mid_step_with_replicas_fails_every_other_rank():
+    """pp=2 x dp=2 (cluster placement: replicas [0, 1] and [2, 3]), global rank 1 dies."""
+    timeout = 5
+    results = run_world(4, "smp_errors.py", ["rank_dies_with_replicas"], env={"SMDDP_TIMEOUT": str(timeout)},
+                        timeout=90)
+    assert results[1].returncode == 3, results[1].output
+    for r in (results[0], results[2], results[3]):
+        assert r.returncode == 0, r.output
+        e = r.event("step_failed")
+        assert e["kind"] == "StepFailed" and e["after_s"] <= timeout + 3, e
+    # The dead rank's pipeline peer names it; its data-parallel peer names it by its place in
+    # their group, and the message says which global rank that is.
+    assert "global rank 1" in results[0].event("step_failed")["message"]
+    m = results[3].event("step_failed")["message"]
+    assert "global ranks [1, 3]" in m and "rank 0 = global rank 1" in m and "rank 0 (pid" in m, m
+    leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("smddp-")]
+    assert not leftovers, leftovers
+
+
 def test_a_rank_that_stops_mid_step_is_named_on_every_other_rank():
     """A stage stopped mid-step (SIGSTOP: alive, sockets open, silent) is not a quiet link:
     its engine no longer answers pings, so the other stages' steps fail within the timeout

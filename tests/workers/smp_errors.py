@@ -1,6 +1,6 @@
 """Misuse and failures of smdistributed.modelparallel.torch: each case prints (or reports,
 report.py) what every rank saw. argv: case (misuse | bad_config | rank_dies | rank_stops |
-quiet_links | backward_on_one_rank | backward_not_on_root |
+rank_dies_with_replicas | quiet_links | backward_on_one_rank | backward_not_on_root |
 backward_twice | message_stops_halfway)."""
 import os
 import signal
@@ -115,6 +115,36 @@ def rank_dies(how: str = "exit"):
     except smp.StepFailed as e:
         report("step_failed", after_s=time.monotonic() - t0, message=str(e).replace("\n", " "))
         print("STEP FAILED:", str(e).splitlines()[0], flush=True)
+        os._exit(0)
+    print("NO ERROR", flush=True)
+
+
+def rank_dies_with_replicas():
+    """pp=2 x dp=2: pipeline rank 1 of the first replica (global rank 1) dies mid-step. Its
+    pipeline peer fails the step; the other replica's ranks, which meet the dead rank and its
+    peer in the gradient reduction, fail too: nobody waits forever."""
+    smp.init({"partitions": 2, "microbatches": 2, "ddp": True, "auto_partition": False, "default_partition": 0})
+    with smp.partition(1):
+        dies = Dies("exit")
+        head = nn.Linear(8, 2)
+    model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), dies, head))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
+    train_step(model, x, y)
+    dies.armed = smp.rank() == 1
+    t0 = time.monotonic()
+    try:
+        train_step(model, x, y)
+    except Exception as e:  # the step's own failure, or the data-parallel reduction's
+        report("step_failed", after_s=time.monotonic() - t0, kind=type(e).__name__,
+               message=str(e).replace("\n", " "))
+        print("STEP FAILED:", type(e).__name__, str(e).splitlines()[0] if str(e) else "", flush=True)
         os._exit(0)
     print("NO ERROR", flush=True)
 
@@ -294,6 +324,6 @@ def message_stops_halfway():
 
 
 {"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
- "quiet_links": quiet_links, "backward_on_one_rank": backward_on_one_rank,
+ "rank_dies_with_replicas": rank_dies_with_replicas, "quiet_links": quiet_links, "backward_on_one_rank": backward_on_one_rank,
  "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice,
  "message_stops_halfway": message_stops_halfway}[CASE]()

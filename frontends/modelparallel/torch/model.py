@@ -17,7 +17,7 @@ from .activation_checkpointing import checkpointed
 from .nested import is_mapping, mapping_like
 from .optimizer import follow_parameters
 from .partition import auto_assignment, describe, manual_assignment
-from .runtime import PipelineRuntime
+from .runtime import PipelineRuntime, StepFailed
 from .state import device as local_device, state
 from .tied import TiedParameters
 from .trace import Tracer
@@ -430,10 +430,25 @@ class DistributedModel(nn.Module):
             if reductions:
                 if self._joining:
                     grad_sync.announce(state.dp_group, training=True)
-                for reduction in reductions:  # in order: the first may have started early
-                    reduction.finish()
+                try:
+                    for reduction in reductions:  # in order: the first may have started early
+                        reduction.finish()
+                except StepFailed:
+                    raise
+                except RuntimeError as e:
+                    raise StepFailed(self._reduction_failure(e)) from e
                 self.last_reduction_overlapped = reductions[0].launched_early
         return results
+
+    @staticmethod
+    def _reduction_failure(error: BaseException) -> str:
+        """The data-parallel reduction's error, with the group's ranks translated: the engine
+        names ranks by their position in the group it serves."""
+        members = state.topo.dp_group
+        positions = ", ".join(f"rank {i} = global rank {g}" for i, g in enumerate(members))
+        return (f"pipeline rank {state.topo.pp_rank} (global rank {state.topo.rank}): the gradient reduction "
+                f"over the data-parallel group of global ranks {members} failed (in the error below, "
+                f"{positions}): {error}")
 
     def register_comm_hook(self, state_: Any, hook) -> None:
         """A torch DDP communication hook, `hook(state, bucket) -> Future[Tensor]`, run on each

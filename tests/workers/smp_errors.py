@@ -324,6 +324,7 @@ def message_stops_halfway():
 
 
 {"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
- "rank_dies_with_replicas": rank_dies_with_replicas, "quiet_links": quiet_links, "backward_on_one_rank": backward_on_one_rank,
+ "rank_dies_with_replicas": rank_dies_with_replicas, "quiet_links": quiet_links,
+ "backward_on_one_rank": backward_on_one_rank,
  "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice,
  "message_stops_halfway": message_stops_halfway}[CASE]()

@@ -79,9 +79,21 @@ def check_object_helpers():
         raise AssertionError("out-of-range rank accepted")
 
 
+class Scale(nn.Module):
+    """A module with a buffer and no parameters: local_named_buffers, the state dict and the
+    move to the owner's device must carry it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("factor", torch.tensor(0.5))
+
+    def forward(self, x):
+        return x * self.factor
+
+
 def build():
     torch.manual_seed(7)
-    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), Scale(), nn.Tanh(), nn.Linear(12, 3))
 
 
 def check_model_api():
@@ -116,12 +128,21 @@ def check_model_api():
     assert local and len(local) < len(list(model.parameters()))
     assert all(p.grad is not None for p in local.values())
     assert all(p.grad is None for n, p in model.module.named_parameters() if n not in local)
-    assert set(dict(model.local_named_buffers())) == set()
+    # Each module, and so the buffer, is local on exactly one pipeline rank of the replica.
+    buffers = dict(model.local_named_buffers())
+    assert set(buffers) <= {"3.factor"}, buffers
+    assert smp.allgather(sorted(buffers), smp.MP_GROUP) in ([["3.factor"], []], [[], ["3.factor"]])
+    modules = dict(model.local_named_modules())
+    every = smp.allgather(sorted(n for n in modules if n), smp.MP_GROUP)
+    assert sorted(every[0] + every[1]) == sorted(n for n, _ in plain.named_modules() if n), every
+    assert all(any(m is q for q in model.local_modules()) for m in modules.values())
+    if buffers:
+        assert buffers["3.factor"].item() == 1.5  # the loaded state (0.5 + 1), on the owner
     assert all(any(p is q for q in model.local_parameters()) for p in local.values())
     partial = model.local_state_dict()
     assert partial["_smp_is_partial"] is True and partial["_smp_partitions"] == smp.pp_size()
     assert partial["_smp_pp_rank"] == smp.pp_rank()
-    assert set(partial) - {"_smp_is_partial", "_smp_partitions", "_smp_pp_rank"} == set(local)
+    assert set(partial) - {"_smp_is_partial", "_smp_partitions", "_smp_pp_rank"} == set(local) | set(buffers)
     opt.step()
     scheduler.step()
     # The reference: the same start, one full-batch step.

@@ -280,6 +280,35 @@ def test_a_root_on_the_last_partition_and_nested_partition_contexts_train_like_o
         assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
 
 
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+def test_the_schedules_run_forwards_and_backwards_in_their_documented_order(pipeline, tmp_path):
+    """From each rank's timeline (the spans in which a task holds the compute token), one step
+    of 6 microbatches: "simple" runs every forward before any backward; "interleaved" with
+    active_microbatches 2 never has more than 2 microbatches between their first forward and
+    their last backward, so backwards run between forwards."""
+    prefix = tmp_path / "tl"
+    results = run_world(2, "smp_pipeline.py", ["seq", "auto", pipeline, "2", "6", "1", "2"], timeout=120,
+                        env={"SMDDP_TIMELINE": str(prefix)})
+    assert_all_ok(results)
+    for rank in range(2):
+        events = json.loads(Path(f"{prefix}.smp.rank{rank}.json").read_text())["traceEvents"]
+        spans = sorted((e["ts"], e["ts"] + e["dur"], *e["name"].split()) for e in events
+                       if e["cat"] == "compute" and e["name"])
+        # A non-root rank starts every microbatch's step function at once, to wait there for
+        # the root's output: its work on a microbatch starts when it serves the root's call.
+        starts = "serve" if any(kind == "serve" for _, _, kind, _, _ in spans) else "step"
+        fwd = [(s, e, int(mb[2:])) for s, e, kind, phase, mb in spans if phase == "fwd" and kind == starts]
+        bwd = [(s, e, int(mb[2:])) for s, e, kind, phase, mb in spans if phase == "bwd"]
+        assert {mb for *_, mb in fwd} == {mb for *_, mb in bwd} == set(range(6)), spans
+        if pipeline == "simple":
+            assert max(e for _, e, _ in fwd) <= min(s for s, _, _ in bwd), spans
+            continue
+        live = {mb: (min(s for s, _, m in fwd if m == mb), max(e for _, e, m in bwd if m == mb)) for mb in range(6)}
+        for t, _ in live.values():  # at each microbatch's start, who is in flight
+            assert sum(1 for a, b in live.values() if a <= t < b) <= 2, (rank, live)
+        assert min(s for s, _, _ in bwd) < max(s for s, _, _ in fwd), spans
+
+
 def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):
     results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(parts), "4", "5"], timeout=120)
     assert_all_ok(results)

@@ -240,12 +240,14 @@ GPU_LAYOUTS = [pytest.param(2, 2, id="pp2"),
 @pytest.mark.parametrize("model, mode, pipeline", [("skip", "manual", "interleaved"), ("seq", "auto", "simple"),
                                                    ("skip", "auto", "simple"), ("seq", "manual", "interleaved")])
 def test_cuda_modelparallel_pipeline_trains_like_one_gpu(procs, parts, model, mode, pipeline):
-    """Activations and gradients cross through NCCL; with dp=2 the replicas' gradients too."""
+    """Activations and gradients cross through NCCL; with dp=2 the replicas' gradients too.
+    The model is moved to the GPU before it is wrapped: the other stages' parameters leave it."""
     results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(parts), "4", "5"], gpus=True,
-                        timeout=300)
+                        timeout=300, env={"SMP_TEST_MOVED_BEFORE_WRAP": "1"})
     assert_all_ok(results)
     for r in results:
         report = r.event("trained")
+        assert report["others_on"] in ([], ["cpu"]), report["others_on"]
         assert report["param_rel_err"] < 1e-5 and report["loss_rel_err"] < 1e-5, report
         assert report["losses"] == results[0].event("trained")["losses"], "ranks disagree on the loss"
         # Both directions of this rank's link were used, each capped at the default 2 blocks.

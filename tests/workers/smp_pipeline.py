@@ -245,6 +245,8 @@ def main():
         ref_losses.append(loss.item())
 
     net = build()
+    if os.environ.get("SMP_TEST_MOVED_BEFORE_WRAP") == "1":
+        net.to(dev)  # as many scripts do; the partition must take the other stages' parts off this GPU
     forward_threads = set()  # threads that ran a module's forward on this rank
     for m in net.modules():
         m.register_forward_pre_hook(lambda mod, args: forward_threads.add(threading.get_ident()))
@@ -289,12 +291,13 @@ def main():
     worst = max(((full[k] - ref_sd[k]).abs().max() / (ref_sd[k].abs().max() + 1e-12)).item() for k in ref_sd)
     loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
     local = sorted(n for n, _ in model.local_named_parameters())
+    others_on = sorted({str(p.device) for n, p in model.module.named_parameters() if n not in local})
     del loss_mb, loss  # the last step's StepOutput and loss, which this script held
     report("trained", rank=smp.rank(), pp_rank=smp.pp_rank(), dp_rank=smp.dp_rank(), param_rel_err=worst,
            loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses,
            output_backwards=model._runtime.output_backwards, chained_hops=model._runtime.chained_hops,
            loss_graphs=sum(loss_graphs), kept_after_steps=step_tensors_alive(),
-           forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters),
+           forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters), others_on=others_on,
            link_ctas=link_ctas())
 
 

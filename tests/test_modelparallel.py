@@ -526,6 +526,18 @@ def test_a_rank_that_dies_mid_step_with_replicas_fails_every_other_rank():
     assert not leftovers, leftovers
 
 
+def test_replicas_out_of_step_fail_instead_of_averaging_different_steps():
+    """A step refused on one replica only (its batch), the error caught: at the next gradient
+    reduction the replicas are one smp.step call apart, and every rank says so."""
+    results = run_world(4, "smp_errors.py", ["replica_skips_a_step"], env={"SMDDP_TIMEOUT": "10"}, timeout=90)
+    assert_all_ok(results)
+    for r in results:
+        e = r.event("step_failed")
+        assert "different smp.step calls" in e["message"], e
+        assert e["step"] == (2 if r.rank in (0, 1) else 3), e  # replicas [0, 1] and [2, 3]
+    assert [r.event("skipped")["step"] for r in results[2:]] == [2, 2]
+
+
 def test_a_rank_that_stops_mid_step_is_named_on_every_other_rank():
     """A stage stopped mid-step (SIGSTOP: alive, sockets open, silent) is not a quiet link:
     its engine no longer answers pings, so the other stages' steps fail within the timeout

@@ -1,6 +1,6 @@
 """Misuse and failures of smdistributed.modelparallel.torch: each case prints (or reports,
 report.py) what every rank saw. argv: case (misuse | bad_config | rank_dies | rank_stops |
-rank_dies_with_replicas | quiet_links | backward_on_one_rank | backward_not_on_root |
+rank_dies_with_replicas | replica_skips_a_step | quiet_links | backward_on_one_rank | backward_not_on_root |
 backward_twice | message_stops_halfway)."""
 import os
 import signal
@@ -145,6 +145,37 @@ def rank_dies_with_replicas():
         report("step_failed", after_s=time.monotonic() - t0, kind=type(e).__name__,
                message=str(e).replace("\n", " "))
         print("STEP FAILED:", type(e).__name__, str(e).splitlines()[0] if str(e) else "", flush=True)
+        os._exit(0)
+    print("NO ERROR", flush=True)
+
+
+def replica_skips_a_step():
+    """pp=2 x dp=2: the second replica's batch of step 2 is one the microbatches do not divide;
+    its ranks catch the error and go on to step 3, while the first replica runs step 2. The
+    replicas must not average step 3's gradients with step 2's: every rank fails instead."""
+    smp.init({"partitions": 2, "microbatches": 4, "ddp": True, "auto_partition": False, "default_partition": 0})
+    with smp.partition(1):
+        head = nn.Linear(8, 2)
+    model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), head))
+
+    @smp.step
+    def train_step(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
+    try:
+        for step in (1, 2, 3):
+            n = 6 if step == 2 and smp.dp_rank() == 1 else 8
+            try:
+                train_step(model, x[:n], y[:n])
+            except ValueError as e:
+                assert "microbatches do not divide" in str(e), e
+                report("skipped", step=step)
+    except smp.StepFailed as e:
+        report("step_failed", step=step, message=str(e).replace("\n", " "))
+        print("STEP FAILED:", str(e).splitlines()[0], flush=True)
         os._exit(0)
     print("NO ERROR", flush=True)
 
@@ -324,7 +355,8 @@ def message_stops_halfway():
 
 
 {"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
- "rank_dies_with_replicas": rank_dies_with_replicas, "quiet_links": quiet_links,
+ "rank_dies_with_replicas": rank_dies_with_replicas, "replica_skips_a_step": replica_skips_a_step,
+ "quiet_links": quiet_links,
  "backward_on_one_rank": backward_on_one_rank,
  "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice,
  "message_stops_halfway": message_stops_halfway}[CASE]()

@@ -432,6 +432,10 @@ class DistributedModel(nn.Module):
                     grad_sync.announce(state.dp_group, training=True)
                 try:
                     for reduction in reductions:  # in order: the first may have started early
+                        reduction.launch()
+                    if not self._joining:  # joined replicas reduce zeros for steps they do not run
+                        self._check_replicas_in_step()
+                    for reduction in reductions:
                         reduction.finish()
                 except StepFailed:
                     raise
@@ -439,6 +443,22 @@ class DistributedModel(nn.Module):
                     raise StepFailed(self._reduction_failure(e)) from e
                 self.last_reduction_overlapped = reductions[0].launched_early
         return results
+
+    @staticmethod
+    def _check_replicas_in_step() -> None:
+        """The replicas' gradients are averaged only if every replica is at the same smp.step
+        call. A replica whose step raised on it alone (a batch the microbatches do not divide,
+        caught by the script) would otherwise pair its next step's buckets with the others'
+        current ones, and every replica would train on that mix without an error."""
+        calls = torch.tensor([state.step_calls, -state.step_calls], dtype=torch.long)
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=state.dp_group)
+        newest, oldest = int(calls[0]), -int(calls[1])
+        if newest != oldest:
+            raise StepFailed(f"pipeline rank {state.topo.pp_rank} (global rank {state.topo.rank}): the data-parallel "
+                             f"replicas (global ranks {state.topo.dp_group}) reached the gradient reduction in "
+                             f"different smp.step calls (this rank in call {state.step_calls}, the others between "
+                             f"{oldest} and {newest}): a step failed on some replicas only, and the gradients "
+                             "of different steps would have been averaged")
 
     @staticmethod
     def _reduction_failure(error: BaseException) -> str:

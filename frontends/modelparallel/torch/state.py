@@ -23,6 +23,9 @@ from .topology import Topology
 class _State:
     def __init__(self):
         self.initialized = False
+        # smp.step calls on this rank, each counted before its batch is checked: replicas compare
+        # it before reducing gradients, so that one that skipped a call is out of step, not mixed in.
+        self.step_calls = 0
         self.cfg: Optional[Config] = None
         self.topo: Optional[Topology] = None
         self.pp_group = None

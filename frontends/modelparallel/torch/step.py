@@ -113,6 +113,7 @@ def step(func: Optional[Callable] = None, *, non_split_inputs=None, input_split_
         @functools.wraps(fn)
         def run(*args, **kwargs):
             state.require_init("smp.step")
+            state.step_calls += 1
             model = state.model
             if model is None:
                 raise RuntimeError("smp.step: no smp.DistributedModel exists (wrap the model before the first step)")

@@ -177,7 +177,8 @@ def test_split_follows_nesting_axes_and_non_split_inputs():
 
 
 def test_a_mapping_that_is_not_a_dict_is_split_and_keeps_its_type():
-    from collections import UserDict
+    from collections import UserDict, defaultdict
+    from collections.abc import MutableMapping
 
     class Encoding(UserDict):  # as Hugging Face's BatchEncoding: a UserDict with more state
         encodings = "kept"
@@ -190,6 +191,33 @@ def test_a_mapping_that_is_not_a_dict_is_split_and_keeps_its_type():
     (batch,), _ = mbs[2]
     assert type(batch) is Encoding and batch.encodings == "kept"
     assert torch.equal(batch["input_ids"], x[4:]) and torch.equal(batch["attention_mask"], x[4:] > 3)
+
+    class Store(MutableMapping):  # keeps its items in an attribute; copy.copy would share them
+        def __init__(self, items=()):
+            self.items_ = dict(items)
+
+        def __getitem__(self, k):
+            return self.items_[k]
+
+        def __setitem__(self, k, v):
+            self.items_[k] = v
+
+        def __delitem__(self, k):
+            del self.items_[k]
+
+        def __iter__(self):
+            return iter(self.items_)
+
+        def __len__(self):
+            return len(self.items_)
+
+    store = Store({"a": x})
+    parts = [args[0] for args, _ in split_arguments(fn, (store,), {}, 2, [], {})]
+    assert [type(p) for p in parts] == [Store, Store] and torch.equal(store["a"], x)  # the batch untouched
+    assert torch.equal(parts[0]["a"], x[:3]) and torch.equal(parts[1]["a"], x[3:])
+    counts = defaultdict(int, a=x)
+    part = split_arguments(fn, (counts,), {}, 2, [], {})[1][0][0]
+    assert type(part) is defaultdict and part.default_factory is int and torch.equal(part["a"], x[3:])
 
 
 def test_step_output_reductions():

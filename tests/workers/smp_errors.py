@@ -164,9 +164,17 @@ def replica_skips_a_step():
         model.backward(loss)
         return loss
 
+    @smp.step
+    def eval_step(model, x):
+        return model(x)
+
     x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
     try:
         for step in (1, 2, 3):
+            if step == 2 and smp.dp_rank() == 0:  # evaluation on one replica only, which is allowed
+                with torch.no_grad():
+                    eval_step(model, x)
+                eval_step(model, x)  # grad enabled, no backward
             n = 6 if step == 2 and smp.dp_rank() == 1 else 8
             try:
                 train_step(model, x[:n], y[:n])

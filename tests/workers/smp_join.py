@@ -46,4 +46,17 @@ for step in range(3):
 full = model.state_dict()
 for k, v in ref.state_dict().items():
     assert torch.allclose(full[k], v, rtol=1e-5, atol=1e-6), k
+
+# After the join, the replicas (3 and 2 steps run) train on together: one more step, outside
+# join, on a batch both replicas share, averages as any step does.
+x, y = shards[0][0]
+opt.zero_grad()
+train_step(model, x, y)
+opt.step()
+ref_opt.zero_grad()
+F.cross_entropy(ref(x), y).backward()
+ref_opt.step()
+full = model.state_dict()
+for k, v in ref.state_dict().items():
+    assert torch.allclose(full[k], v, rtol=1e-5, atol=1e-6), k
 print("JOIN OK", flush=True)

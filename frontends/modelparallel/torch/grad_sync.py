@@ -183,18 +183,20 @@ def announce(group, training: bool) -> int:
 
 
 def shadow_until_all_joined(param_sets: List[List[torch.nn.Parameter]], buffers: List[torch.Tensor], group,
-                            ranks: List[int], dp_size: int, bucket_bytes: int, steps: int,
-                            hook: Optional[Callable] = None, hook_state: Any = None) -> None:
-    """`param_sets`: the reductions a training replica makes each step, in its order."""
+                            ranks: List[int], dp_size: int, bucket_bytes: int, steps: int, step_calls: int,
+                            hook: Optional[Callable] = None, hook_state: Any = None) -> int:
+    """`param_sets`: the reductions a training replica makes each step, in its order. Returns
+    the largest count of smp.step calls among the replicas, which all continue from."""
     while announce(group, training=False) > 0:
         for params in param_sets:
             GradientReduction(params, group, dp_size, bucket_bytes, hook, hook_state, zeros=True).finish()
     params = [p for s in param_sets for p in s]
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
-    dist.all_gather(counts, torch.tensor([steps], dtype=torch.int64), group=group)
-    counts = [int(c.item()) for c in counts]
-    source = ranks[counts.index(max(counts))]
+    counts = [torch.zeros(2, dtype=torch.int64) for _ in ranks]
+    dist.all_gather(counts, torch.tensor([steps, step_calls], dtype=torch.int64), group=group)
+    steps_done = [int(c[0]) for c in counts]
+    source = ranks[steps_done.index(max(steps_done))]
     broadcast_from_first([*params, *buffers], group, source)
+    return max(int(c[1]) for c in counts)
 
 
 def _buckets(tensors: List[torch.Tensor], limit: int) -> List[List[torch.Tensor]]:

@@ -431,11 +431,10 @@ class DistributedModel(nn.Module):
                 if self._joining:
                     grad_sync.announce(state.dp_group, training=True)
                 try:
-                    for reduction in reductions:  # in order: the first may have started early
-                        reduction.launch()
+                    reductions[0].launch()  # (a no-op when it started early)
                     if not self._joining:  # joined replicas reduce zeros for steps they do not run
                         self._check_replicas_in_step()
-                    for reduction in reductions:
+                    for reduction in reductions:  # in order: the first may have started early
                         reduction.finish()
                 except StepFailed:
                     raise
@@ -451,7 +450,7 @@ class DistributedModel(nn.Module):
         caught by the script) would otherwise pair its next step's buckets with the others'
         current ones, and every replica would train on that mix without an error."""
         calls = torch.tensor([state.step_calls, -state.step_calls], dtype=torch.long)
-        dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=state.dp_group)
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=state.dp_check_group)
         newest, oldest = int(calls[0]), -int(calls[1])
         if newest != oldest:
             raise StepFailed(f"pipeline rank {state.topo.pp_rank} (global rank {state.topo.rank}): the data-parallel "
@@ -503,6 +502,7 @@ class DistributedModel(nn.Module):
             raise  # this rank fails: the others learn it from the engine, not from a wrong join
         self._joining = False
         self._require_partitioned("join")
-        grad_sync.shadow_until_all_joined(self._reduced_parameter_sets(), list(self.local_buffers()), state.dp_group,
-                                          topo.dp_group, topo.dp_size, self.bucket_bytes, self._steps_with_backward,
-                                          *self._comm_hook)
+        # The replicas' step counts differ by design after uneven inputs: all continue from the largest.
+        state.step_calls = grad_sync.shadow_until_all_joined(
+            self._reduced_parameter_sets(), list(self.local_buffers()), state.dp_group, topo.dp_group, topo.dp_size,
+            self.bucket_bytes, self._steps_with_backward, state.step_calls, *self._comm_hook)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from collections import UserDict, defaultdict
 from collections.abc import Mapping
 from typing import Any, Iterable, Tuple
 
@@ -13,19 +14,19 @@ def is_mapping(value: Any) -> bool:
 
 
 def mapping_like(value: Mapping, pairs: Iterable[Tuple[Any, Any]]) -> Mapping:
-    """A mapping of value's type holding `pairs`. A dict subclass (OrderedDict, transformers'
-    ModelOutput) is built from the pairs; another mapping (a BatchEncoding, whose constructor
-    takes more than pairs) is a copy of value with its items replaced, so that its other
-    attributes stay; a plain dict when neither works."""
+    """A mapping of value's type holding `pairs`, value itself untouched:
+    - a UserDict (BatchEncoding is one) is copied, which copies its items' dict and keeps its
+      other attributes (a BatchEncoding's encodings), and the copy refilled;
+    - a defaultdict keeps its default factory;
+    - any other mapping is built from the pairs, or becomes a plain dict when its type cannot be."""
     pairs = list(pairs)
     try:
-        if isinstance(value, dict):
-            return type(value)(pairs)
-        out = copy.copy(value)
-        for key in list(out.keys()):
-            del out[key]
-        for key, item in pairs:
-            out[key] = item
-        return out
-    except Exception:  # a mapping that refuses to be rebuilt or written
+        if isinstance(value, UserDict):
+            out = copy.copy(value)
+            out.data = dict(pairs)
+            return out
+        if isinstance(value, defaultdict):
+            return type(value)(value.default_factory, pairs)
+        return type(value)(pairs)
+    except Exception:  # a mapping type that cannot be built from pairs
         return dict(pairs)

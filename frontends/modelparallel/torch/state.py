@@ -30,6 +30,9 @@ class _State:
         self.topo: Optional[Topology] = None
         self.pp_group = None
         self.dp_group = None
+        # The same ranks as dp_group, for the replicas' step agreement only: a communication hook
+        # may issue collectives on dp_group from other threads, in an order that differs by rank.
+        self.dp_check_group = None
         self.cuda_links: Dict[Tuple[int, int], Any] = {}
         self.local_rank = 0
         self.local_size = 1
@@ -70,6 +73,11 @@ def init(config: Optional[Dict[str, Any]] = None) -> None:
         g = dist.new_group(topo.dp_group_of(p))
         if p == topo.pp_rank:
             state.dp_group = g
+    if topo.dp_size > 1:
+        for p in range(topo.pp_size):
+            g = dist.new_group(topo.dp_group_of(p))
+            if p == topo.pp_rank:
+                state.dp_check_group = g
     if torch.cuda.is_available() and topo.pp_size > 1:
         for d in range(topo.dp_size):
             ranks = topo.pp_group_of(d)

@@ -113,7 +113,11 @@ def step(func: Optional[Callable] = None, *, non_split_inputs=None, input_split_
         @functools.wraps(fn)
         def run(*args, **kwargs):
             state.require_init("smp.step")
-            state.step_calls += 1
+            # Training calls are counted (before the batch is checked, so that a call refused on
+            # one replica counts there); one that ran no backward is taken back, as evaluation
+            # steps need not run on every replica.
+            counted = torch.is_grad_enabled()
+            state.step_calls += int(counted)
             model = state.model
             if model is None:
                 raise RuntimeError("smp.step: no smp.DistributedModel exists (wrap the model before the first step)")
@@ -122,6 +126,8 @@ def step(func: Optional[Callable] = None, *, non_split_inputs=None, input_split_
             if not model.partitioned:
                 model._partition(fn, microbatches[0])
             results = model._run_step(fn, microbatches, torch.is_grad_enabled(), _autocast_state())
+            if counted and not model._runtime.backward_seen:
+                state.step_calls -= 1
             return _outputs(results, detach_outputs)
 
         return run

@@ -530,6 +530,7 @@ def test_a_rank_that_dies_mid_step_is_named_on_every_other_rank():
     assert results[1].returncode == 3, results[1].output
     for r in (results[0], results[2]):
         assert r.returncode == 0, r.output
+        assert r.event("step_failed")["kind"] == "StepFailed", r.output
         assert "STEP FAILED" in r.stdout and "rank 1" in r.stdout, r.output
     leftovers = [f for f in os.listdir("/dev/shm") if f.startswith("smddp-")]
     assert not leftovers, leftovers

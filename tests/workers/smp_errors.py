@@ -46,6 +46,15 @@ class Dies(nn.Module):
         return self.fc(x)
 
 
+
+@smp.step
+def train_step(model, x, y):
+    """The training step every case runs: a cross-entropy loss and its backward."""
+    loss = F.cross_entropy(model(x), y)
+    model.backward(loss)
+    return loss
+
+
 def misuse():
     smp.init({"partitions": 2, "microbatches": 4, "auto_partition": False, "default_partition": 0})
     with smp.partition(1):
@@ -56,12 +65,6 @@ def misuse():
     x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
     expect(RuntimeError, "outside an smp.step", lambda: model(x))
     expect(RuntimeError, "outside an smp.step", lambda: model.backward(torch.ones(())))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
 
     # A batch the microbatches do not divide: refused on every rank before any work starts.
     expect(ValueError, "which 4 microbatches do not divide", lambda: train_step(model, x[:6], y[:6]))
@@ -92,48 +95,22 @@ def bad_config():
     print("REFUSED:", msg, flush=True)
 
 
-def rank_dies(how: str = "exit"):
-    smp.init({"partitions": 3, "microbatches": 2, "auto_partition": False, "default_partition": 0})
-    with smp.partition(1):
-        dies = Dies(how)
-    with smp.partition(2):
-        head = nn.Linear(8, 2)
+def rank_dies(how: str = "exit", replicas: bool = False):
+    """Global rank 1 dies (or stops) mid-step. pp=3: it is the middle stage. replicas (pp=2 x
+    dp=2): it is the first replica's last stage; its pipeline peer fails the step, and the other
+    replica's ranks, which meet it and its peer in the gradient reduction, fail too."""
+    if replicas:
+        smp.init({"partitions": 2, "microbatches": 2, "ddp": True, "auto_partition": False, "default_partition": 0})
+        with smp.partition(1):
+            dies = Dies(how)
+            head = nn.Linear(8, 2)
+    else:
+        smp.init({"partitions": 3, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+        with smp.partition(1):
+            dies = Dies(how)
+        with smp.partition(2):
+            head = nn.Linear(8, 2)
     model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), dies, head))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
-    x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
-    train_step(model, x, y)
-    dies.armed = smp.pp_rank() == 1
-    t0 = time.monotonic()
-    try:
-        train_step(model, x, y)
-    except smp.StepFailed as e:
-        report("step_failed", after_s=time.monotonic() - t0, message=str(e).replace("\n", " "))
-        print("STEP FAILED:", str(e).splitlines()[0], flush=True)
-        os._exit(0)
-    print("NO ERROR", flush=True)
-
-
-def rank_dies_with_replicas():
-    """pp=2 x dp=2: pipeline rank 1 of the first replica (global rank 1) dies mid-step. Its
-    pipeline peer fails the step; the other replica's ranks, which meet the dead rank and its
-    peer in the gradient reduction, fail too: nobody waits forever."""
-    smp.init({"partitions": 2, "microbatches": 2, "ddp": True, "auto_partition": False, "default_partition": 0})
-    with smp.partition(1):
-        dies = Dies("exit")
-        head = nn.Linear(8, 2)
-    model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), dies, head))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
 
     x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
     train_step(model, x, y)
@@ -141,10 +118,10 @@ def rank_dies_with_replicas():
     t0 = time.monotonic()
     try:
         train_step(model, x, y)
-    except Exception as e:  # the step's own failure, or the data-parallel reduction's
+    except Exception as e:  # the test checks that it is StepFailed
         report("step_failed", after_s=time.monotonic() - t0, kind=type(e).__name__,
                message=str(e).replace("\n", " "))
-        print("STEP FAILED:", type(e).__name__, str(e).splitlines()[0] if str(e) else "", flush=True)
+        print("STEP FAILED:", str(e).splitlines()[0], flush=True)
         os._exit(0)
     print("NO ERROR", flush=True)
 
@@ -157,12 +134,6 @@ def replica_skips_a_step():
     with smp.partition(1):
         head = nn.Linear(8, 2)
     model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), head))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
 
     @smp.step
     def eval_step(model, x):
@@ -209,12 +180,6 @@ def quiet_links():
         head = nn.Linear(8, 2)
     model = smp.DistributedModel(nn.Sequential(slow, middle, head))
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
     loss = train_step(model, torch.randn(4, 8), torch.randint(0, 2, (4,))).reduce_mean()
     assert torch.isfinite(loss)
     print("QUIET OK", flush=True)
@@ -245,12 +210,6 @@ def backward_on_one_rank():
     x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
     assert torch.isfinite(eval_step(model, x, y).reduce_mean())
 
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
-
     assert torch.isfinite(train_step(model, x, y).reduce_mean())
 
     @smp.step
@@ -279,12 +238,6 @@ def backward_not_on_root():
         head = nn.Linear(8, 2)
     model = smp.DistributedModel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), mid, nn.ReLU(), head))
     x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = F.cross_entropy(model(x), y)
-        model.backward(loss)
-        return loss
 
     @smp.step
     def not_on_root(model, x, y):
@@ -363,7 +316,7 @@ def message_stops_halfway():
 
 
 {"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
- "rank_dies_with_replicas": rank_dies_with_replicas, "replica_skips_a_step": replica_skips_a_step,
+ "rank_dies_with_replicas": lambda: rank_dies(replicas=True), "replica_skips_a_step": replica_skips_a_step,
  "quiet_links": quiet_links,
  "backward_on_one_rank": backward_on_one_rank,
  "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice,

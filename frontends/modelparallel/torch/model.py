@@ -282,8 +282,7 @@ class DistributedModel(nn.Module):
         cfg = state.cfg
         trace_dev = local_device() if self.trace_device == "gpu" else torch.device("cpu")
         args, kwargs = _to(first_microbatch, trace_dev)
-        if trace_dev.type != "cpu":
-            self.module.to(trace_dev)
+        self.module.to(trace_dev)  # also a model moved to a GPU before it was wrapped, when tracing on the CPU
         rng_devices = [trace_dev] if trace_dev.type == "cuda" else []
         try:
             with torch.random.fork_rng(devices=rng_devices), torch.no_grad(), \

@@ -31,10 +31,14 @@ KEYS: Dict[str, tuple] = {
                                     "by microbatch priority here"),
     "tensor_parallel_degree": (1, "only 1 is supported"),
     "horovod": (False, "only False is supported (the TensorFlow-Horovod mode of the original)"),
-    "fp16": (False, "only False is supported: train in half precision with torch.autocast inside "
-                    "the smp.step function and smp.amp.GradScaler"),
-    "bf16": (False, "only False is supported: train in bfloat16 with torch.autocast inside the "
-                    "smp.step function, or cast the model with model.to(torch.bfloat16)"),
+    "fp16": (False, "only False is supported (see HALF_PRECISION_INSTEAD)"),
+    "bf16": (False, "only False is supported (see HALF_PRECISION_INSTEAD)"),
+}
+# What to use instead of the later v1 releases' half-precision modes.
+HALF_PRECISION_INSTEAD = {
+    "fp16": "train in half precision with torch.autocast inside the smp.step function and smp.amp.GradScaler",
+    "bf16": "train in bfloat16 with torch.autocast inside the smp.step function, or cast the model with "
+            "model.to(torch.bfloat16)",
 }
 ALIASES = {"pipeline_parallel_degree": "partitions"}
 
@@ -141,10 +145,9 @@ def resolve(config: Optional[Dict[str, Any]], world_size: int, environ=None) -> 
     if cfg["horovod"]:
         raise ConfigError("smp.init: 'horovod': true (the original's TensorFlow mode) is not supported "
                           "by the PyTorch package")
-    for name in ("fp16", "bf16"):  # the later v1 releases' mixed-precision modes
+    for name, instead in HALF_PRECISION_INSTEAD.items():
         if cfg[name]:
-            raise ConfigError(f"smp.init: {name!r}: true is not supported by this implementation; "
-                              f"{KEYS[name][1].split(': ', 1)[1]}")
+            raise ConfigError(f"smp.init: {name!r}: true is not supported by this implementation; {instead}")
     p = cfg["partitions"]
     if cfg["auto_partition"] is False:
         if cfg["default_partition"] is None:

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .runtime import StepFailed
+
 
 def broadcast_from_first(tensors: List[torch.Tensor], group, src: int) -> None:
     """Overwrites `tensors` with global rank `src`'s values (the dp group's first rank once
@@ -168,6 +170,30 @@ class GradientReduction:
                                     f"{type(work).__name__}")
             pending.append((work, bucket))
         return pending
+
+
+def check_replicas_in_step(group, step_calls: int, who: str, members: List[int]) -> None:
+    """The replicas' gradients are averaged only if every replica is at the same smp.step call.
+    A replica whose step raised on it alone (a batch the microbatches do not divide, caught by
+    the script) would otherwise pair its next step's buckets with the others' current ones,
+    and every replica would train on that mix without an error. `group`: the data-parallel
+    ranks, apart from the group the gradients travel on (a hook may use that from other threads)."""
+    calls = torch.tensor([step_calls, -step_calls], dtype=torch.long)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=group)
+    newest, oldest = int(calls[0]), -int(calls[1])
+    if newest != oldest:
+        raise StepFailed(f"{who}: the data-parallel replicas (global ranks {members}) reached the gradient "
+                         f"reduction in different smp.step calls (this rank in call {step_calls}, the others "
+                         f"between {oldest} and {newest}): a step failed on some replicas only, and the "
+                         "gradients of different steps would have been averaged")
+
+
+def reduction_failure(who: str, members: List[int], error: BaseException) -> str:
+    """The reduction's error with the group's ranks translated: the engine names ranks by their
+    position in the group it serves."""
+    positions = ", ".join(f"rank {i} = global rank {g}" for i, g in enumerate(members))
+    return (f"{who}: the gradient reduction over the data-parallel group of global ranks {members} failed "
+            f"(in the error below, {positions}): {error}")
 
 
 # Uneven inputs (DistributedModel.join): before each gradient reduction every replica says

@@ -429,44 +429,19 @@ class DistributedModel(nn.Module):
             if reductions:
                 if self._joining:
                     grad_sync.announce(state.dp_group, training=True)
+                who = f"pipeline rank {topo.pp_rank} (global rank {topo.rank})"
                 try:
                     reductions[0].launch()  # (a no-op when it started early)
                     if not self._joining:  # joined replicas reduce zeros for steps they do not run
-                        self._check_replicas_in_step()
+                        grad_sync.check_replicas_in_step(state.dp_check_group, state.step_calls, who, topo.dp_group)
                     for reduction in reductions:  # in order: the first may have started early
                         reduction.finish()
                 except StepFailed:
                     raise
                 except RuntimeError as e:
-                    raise StepFailed(self._reduction_failure(e)) from e
+                    raise StepFailed(grad_sync.reduction_failure(who, topo.dp_group, e)) from e
                 self.last_reduction_overlapped = reductions[0].launched_early
         return results
-
-    @staticmethod
-    def _check_replicas_in_step() -> None:
-        """The replicas' gradients are averaged only if every replica is at the same smp.step
-        call. A replica whose step raised on it alone (a batch the microbatches do not divide,
-        caught by the script) would otherwise pair its next step's buckets with the others'
-        current ones, and every replica would train on that mix without an error."""
-        calls = torch.tensor([state.step_calls, -state.step_calls], dtype=torch.long)
-        dist.all_reduce(calls, op=dist.ReduceOp.MAX, group=state.dp_check_group)
-        newest, oldest = int(calls[0]), -int(calls[1])
-        if newest != oldest:
-            raise StepFailed(f"pipeline rank {state.topo.pp_rank} (global rank {state.topo.rank}): the data-parallel "
-                             f"replicas (global ranks {state.topo.dp_group}) reached the gradient reduction in "
-                             f"different smp.step calls (this rank in call {state.step_calls}, the others between "
-                             f"{oldest} and {newest}): a step failed on some replicas only, and the gradients "
-                             "of different steps would have been averaged")
-
-    @staticmethod
-    def _reduction_failure(error: BaseException) -> str:
-        """The data-parallel reduction's error, with the group's ranks translated: the engine
-        names ranks by their position in the group it serves."""
-        members = state.topo.dp_group
-        positions = ", ".join(f"rank {i} = global rank {g}" for i, g in enumerate(members))
-        return (f"pipeline rank {state.topo.pp_rank} (global rank {state.topo.rank}): the gradient reduction "
-                f"over the data-parallel group of global ranks {members} failed (in the error below, "
-                f"{positions}): {error}")
 
     def register_comm_hook(self, state_: Any, hook) -> None:
         """A torch DDP communication hook, `hook(state, bucket) -> Future[Tensor]`, run on each

@@ -71,13 +71,9 @@ def init(config: Optional[Dict[str, Any]] = None) -> None:
             state.pp_group = g
     for p in range(topo.pp_size):
         g = dist.new_group(topo.dp_group_of(p))
+        check = dist.new_group(topo.dp_group_of(p)) if topo.dp_size > 1 else None
         if p == topo.pp_rank:
-            state.dp_group = g
-    if topo.dp_size > 1:
-        for p in range(topo.pp_size):
-            g = dist.new_group(topo.dp_group_of(p))
-            if p == topo.pp_rank:
-                state.dp_check_group = g
+            state.dp_group, state.dp_check_group = g, check
     if torch.cuda.is_available() and topo.pp_size > 1:
         for d in range(topo.dp_size):
             ranks = topo.pp_group_of(d)

@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.nn as nn  # noqa: E402
 
+import smdistributed.modelparallel.torch as smp  # noqa: E402
 from smdistributed.modelparallel.torch.config import ConfigError, resolve  # noqa: E402
 from smdistributed.modelparallel.torch.partition import _linear_partition, auto_assignment  # noqa: E402
 from smdistributed.modelparallel.torch.scheduler import ComputeToken  # noqa: E402
@@ -247,6 +248,19 @@ def _holders(token, tasks, start_after=None):
     return order, threads
 
 
+def test_grad_scaler_takes_torch_cuda_amps_positional_init_scale_and_tensor_parallel_names_are_explained():
+    """smp.amp.GradScaler(1024.0), as scripts written for torch.cuda.amp.GradScaler call it: the
+    number is the initial scale, not a device. The original's tensor-parallel API is named as
+    unsupported rather than missing."""
+    scaler = smp.amp.GradScaler(1024.0, 3.0)
+    assert (scaler._init_scale, scaler._growth_factor) == (1024.0, 3.0)
+    assert smp.amp.GradScaler("cpu", init_scale=8.0)._init_scale == 8.0
+    with pytest.raises(AttributeError, match="tensor parallelism is not supported"):
+        smp.tensor_parallelism  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'not_an_api'"):
+        smp.not_an_api  # noqa: B018
+
+
 def test_the_compute_token_waits_for_an_expected_older_task_then_gives_up_on_it():
     token = ComputeToken(lambda: None)
     # The holder hands a value to microbatch 0's thread, which is still waking up, and goes on
@@ -416,7 +430,7 @@ def test_more_microbatches_than_may_be_active_train_like_one_process(procs, part
     """8 microbatches, at most 2 in flight: they start in order and each stage runs the oldest
     first (a later microbatch taking the last slot before an earlier one hung here)."""
     results = run_world(procs, "smp_pipeline.py", ["skip", "manual", "interleaved", str(parts), "8", "3", "2"],
-                        timeout=120)
+                        env={"SMP_TEST_COUNT_THREADS": "1"}, timeout=120)
     assert_all_ok(results)
     for r in (r.event("trained") for r in results):
         assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
@@ -493,6 +507,30 @@ def test_a_rank_that_holds_no_parameters_still_steps():
     reports = [r.event("trained") for r in results]
     assert reports[1]["local"] == [] and reports[0]["local"]
     assert all(r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5 for r in reports), reports
+
+
+@pytest.mark.parametrize("case, procs", [("modules", 4), ("bn", 2), ("padding", 4)])
+def test_module_semantics_survive_partitioning(case, procs):
+    """modules: a hook that changes inputs, outputs or gradients, and pruning's mask, apply once
+    (on the module's owner), not once on each rank the call passes; an nn.Sequential subclass
+    runs its own forward; frozen parameters, one tied across the partitions, stay as they were
+    under AdamW's weight decay (as torch DDP leaves them); a named tuple from the step function
+    holds StepOutputs. bn: the automatic partition's trace leaves BatchNorm's running
+    statistics as they were. padding: replicas whose first batches differ in length (dynamic
+    padding) take rank 0's partition instead of failing on their own choice."""
+    results = run_world(procs, "smp_semantics.py", [case], timeout=120)
+    assert_all_ok(results)
+    reports = [r.event("trained") for r in results]
+    for r in reports:
+        assert r["keys_match"], r
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+        assert r["frozen_unchanged"], r
+        assert r["hook_calls"] * (procs // 2) == r["ref_hook_calls"], r
+    if case == "modules":
+        assert reports[0]["frozen"] == ["embed.weight", "lower.weight", "lower.bias"], reports[0]["frozen"]
+        assert reports[0]["hook_calls"] == 3 * 2, reports[0]  # steps x microbatches of one replica
+    if case == "padding":  # the replicas' matching ranks hold the same modules
+        assert reports[0]["local"] == reports[2]["local"] and reports[1]["local"] == reports[3]["local"], reports
 
 
 def test_misuse_gets_clear_errors_and_the_pipeline_still_works():
@@ -709,12 +747,14 @@ def test_activation_checkpointing_trains_like_one_process(model):
         assert report["param_rel_err"] < 1e-5 and report["loss_rel_err"] < 1e-5, report
 
 
-def test_bf16_autocast_reaches_every_stage():
-    """Autocast state crosses into the step's threads and into calls served for peers: the
-    output is bf16 on every rank, and training follows one process under the same autocast
+@pytest.mark.parametrize("where", ["1", "inside"], ids=["around-the-step", "inside-the-step-function"])
+def test_bf16_autocast_reaches_every_stage(where):
+    """Autocast state crosses into the step's threads and into calls served for peers, whether
+    smp.step is called under it or the step function enters it (each call carries its caller's):
+    the output is bf16 on every rank, and training follows one process under the same autocast
     (to bf16 rounding: each microbatch's gradients are rounded separately)."""
     results = run_world(2, "smp_pipeline.py", ["skip", "manual", "simple", "2", "2", "3"],
-                        env={"SMP_TEST_AUTOCAST": "1"}, timeout=120)
+                        env={"SMP_TEST_AUTOCAST": where}, timeout=120)
     assert_all_ok(results)
     for r in results:
         report = r.event("trained")
@@ -792,3 +832,4 @@ def test_ddp_options_train_like_one_process(mode):
         assert all("overlapped=True" in line for line in lines if "pp_rank=1" in line), lines
     else:
         assert all("overlapped=False" in line for line in lines), lines
+

@@ -4,6 +4,7 @@ training the same model on the same batches. Prints one JSON line per rank.
 argv: model (seq | skip | tied | gpt | enc | resid), mode (auto | manual), pipeline (simple | interleaved), partitions,
 microbatches, steps.
 """
+import contextlib
 import gc
 import os
 import sys
@@ -21,7 +22,9 @@ PARTS, MBS, STEPS = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 ACTIVE = int(sys.argv[7]) if len(sys.argv) > 7 else None  # active_microbatches (default partitions + 2)
 BATCH, WIDTH = 24, 16
 DEVICE = os.environ.get("SMDDP_TEST_DEVICE", "cpu")
-AUTOCAST = os.environ.get("SMP_TEST_AUTOCAST") == "1"  # bf16 autocast around the reference and the step
+# bf16 autocast around the reference and the step ("1"), or entered inside the step function ("inside")
+AUTOCAST = os.environ.get("SMP_TEST_AUTOCAST") in ("1", "inside")
+AUTOCAST_INSIDE = os.environ.get("SMP_TEST_AUTOCAST") == "inside"
 
 
 class Block(nn.Module):
@@ -248,8 +251,9 @@ def main():
     if os.environ.get("SMP_TEST_MOVED_BEFORE_WRAP") == "1":
         net.to(dev)  # as many scripts do; the partition must take the other stages' parts off this GPU
     forward_threads = set()  # threads that ran a module's forward on this rank
-    for m in net.modules():
-        m.register_forward_pre_hook(lambda mod, args: forward_threads.add(threading.get_ident()))
+    if os.environ.get("SMP_TEST_COUNT_THREADS") == "1":  # (a module with hooks is never graphed)
+        for m in net.modules():
+            m.register_forward_pre_hook(lambda mod, args: forward_threads.add(threading.get_ident()))
     model = smp.DistributedModel(net)
     if os.environ.get("SMP_TEST_CHECKPOINTING"):
         # Recomputed in backward: a Sequential (each child), a module called twice, one layer.
@@ -263,10 +267,12 @@ def main():
 
     @smp.step
     def train_step(model, x, y):
-        out = model(x, scale=0.5) if MODEL == "skip" else model(x)
-        logits = out["logits"] if isinstance(out, dict) else out
-        assert logits.dtype == (torch.bfloat16 if AUTOCAST else torch.float32), logits.dtype
-        loss = loss_of(out, y)
+        # (an autocast entered with enabled=False would turn the one around the step off)
+        with torch.autocast(dev.type, dtype=torch.bfloat16) if AUTOCAST_INSIDE else contextlib.nullcontext():
+            out = model(x, scale=0.5) if MODEL == "skip" else model(x)
+            logits = out["logits"] if isinstance(out, dict) else out
+            assert logits.dtype == (torch.bfloat16 if AUTOCAST else torch.float32), logits.dtype
+            loss = loss_of(out, y)
         loss_graphs.append(loss.requires_grad)
         model.backward(loss)
         return loss
@@ -275,7 +281,7 @@ def main():
     for x, y in data:
         shard = slice(smp.dp_rank() * BATCH, (smp.dp_rank() + 1) * BATCH)
         opt.zero_grad()
-        with autocast():
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=AUTOCAST and not AUTOCAST_INSIDE):
             loss_mb = train_step(model, x[shard], y[shard])
         loss = loss_mb.reduce_mean()
         # The reference loss is over every replica's samples: average the replicas' losses.

@@ -52,3 +52,15 @@ def is_initialized() -> bool:
 
 def is_tracing() -> bool:
     return _state.tracing
+
+
+# Tensor parallelism, the original's smp.nn.Distributed* modules and smp.tensor_parallelism, is
+# not part of this library: say so by name rather than with a bare AttributeError.
+_TENSOR_PARALLEL = {"tensor_parallelism", "delay_param_initialization", "set_tensor_parallelism"}
+
+
+def __getattr__(name: str):
+    if name in _TENSOR_PARALLEL:
+        raise AttributeError(f"smp.{name}: tensor parallelism is not supported by this implementation of "
+                             "smdistributed.modelparallel (pipeline and data parallelism are)")
+    raise AttributeError(f"module 'smdistributed.modelparallel.torch' has no attribute '{name}'")

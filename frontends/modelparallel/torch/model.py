@@ -235,7 +235,7 @@ class DistributedModel(nn.Module):
             assignment = self._auto_partition(fn, first_microbatch)
         else:
             assignment = manual_assignment(self.module, cfg.default_partition)
-        self._check_agreement(assignment)
+            self._check_agreement(assignment)  # (the automatic one is rank 0's, broadcast)
         self._install(assignment)
         self._partitioned = True
         if topo.rank == 0 and parts > 1:
@@ -284,6 +284,10 @@ class DistributedModel(nn.Module):
         args, kwargs = _to(first_microbatch, trace_dev)
         self.module.to(trace_dev)  # also a model moved to a GPU before it was wrapped, when tracing on the CPU
         rng_devices = [trace_dev] if trace_dev.type == "cuda" else []
+        # The trace is a forward the user did not ask for: buffers it updates (BatchNorm's
+        # running statistics) are put back as they were.
+        buffers_before = [(m, name, b.detach().clone()) for m in self.module.modules()
+                          for name, b in m._buffers.items() if b is not None]
         try:
             with torch.random.fork_rng(devices=rng_devices), torch.no_grad(), \
                     Tracer(self.module, self.trace_execution_times) as tracer:
@@ -295,14 +299,21 @@ class DistributedModel(nn.Module):
         finally:
             if trace_dev.type != "cpu":
                 self.module.to("cpu")
+            with torch.no_grad():
+                for m, name, before in buffers_before:
+                    now = m._buffers.get(name)
+                    if now is not None and now.shape == before.shape:
+                        now.copy_(before)
+                    else:  # the forward replaced it
+                        m._buffers[name] = before.to(now.device if now is not None else "cpu")
         if trace_dev.type == "cuda":
             _free_blas_workspaces()
         assignment = auto_assignment(self.module, tracer.trace, state.topo.pp_size, cfg.memory_weight)
-        if self.trace_execution_times:  # measured times differ between ranks: rank 0 decides
-            box = [assignment]
-            dist.broadcast_object_list(box, src=0)
-            assignment = box[0]
-        return assignment
+        # Rank 0 decides: measured times differ between ranks, and so do activation sizes
+        # when replicas' first batches differ in shape (dynamic padding).
+        box = [assignment]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def _check_agreement(self, assignment: Dict[str, int]) -> None:
         digest = hashlib.sha256(repr(sorted(assignment.items())).encode()).hexdigest()
@@ -336,10 +347,17 @@ class DistributedModel(nn.Module):
         for path, m in self.module.named_modules():
             runtime.modules[path] = m
             owner = assignment[path]
-            original = (self._sequential_forward(m, path, runtime) if isinstance(m, nn.Sequential)
-                        else m.forward)
+            # Only Sequential's own forward is a chain of children; a subclass may define another.
+            chain = isinstance(m, nn.Sequential) and type(m).forward is nn.Sequential.forward
+            original = self._sequential_forward(m, path, runtime) if chain else m.forward
             spans = len({assignment.get(f"{path}.{q}" if path else q, owner) for q, _ in m.named_modules()}) > 1
             m.forward = self._dispatching_forward(runtime, m, path, owner, original, me, spans)
+            if owner != me:
+                # A module's hooks run once, on its owner, which serves the call through
+                # module(...). Here the call skips them: run on both ranks, a hook that changes
+                # inputs, outputs or gradients would apply twice, and one that reads the
+                # module's parameters (pruning's, weight norm's) would read stale copies.
+                m._call_impl = m.forward
         self._runtime = runtime
 
     @staticmethod
@@ -396,8 +414,10 @@ class DistributedModel(nn.Module):
         """This partition's parameters in the data-parallel reductions, in their order: the
         untied ones (started early with overlapping_allreduce), then the tied ones (after their
         sum over partitions, tied.py). A joined replica mirrors the same reductions."""
-        untied = [p for p in self.local_parameters() if not self._tied.is_tied(p)]
-        tied = self._tied.local
+        # Frozen parameters take no part, as under torch DDP: a zero gradient given to one would
+        # still move it under weight decay.
+        untied = [p for p in self.local_parameters() if p.requires_grad and not self._tied.is_tied(p)]
+        tied = [p for p in self._tied.local if p.requires_grad]
         return [untied, tied] if tied else [untied]
 
     def _run_step(self, fn, microbatches, grad_enabled: bool, autocast) -> List[Any]:

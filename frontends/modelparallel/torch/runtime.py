@@ -100,6 +100,23 @@ def _grads_or_zeros(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
     return [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
 
 
+def autocast_state() -> Dict[str, Any]:
+    """The autocast in force on this thread, device type -> dtype (empty when off)."""
+    out = {}
+    for device_type in ("cuda", "cpu"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                out[device_type] = torch.get_autocast_dtype(device_type)
+        except (TypeError, RuntimeError):
+            pass
+    return out
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
 def current_task() -> Optional[Task]:
     return getattr(_local, "task", None)
 
@@ -337,9 +354,10 @@ class PipelineRuntime:
     def _prio(self, task: Task):
         return priority(task.phase, task.mb, self.pipeline)
 
-    def _autocast_context(self):
+    def _autocast_context(self, autocast: Optional[Dict[str, Any]] = None):
+        """The step's autocast (smp.step called inside one), or a served call's caller's."""
         stack = contextlib.ExitStack()
-        for device_type, dtype in self._autocast.items():
+        for device_type, dtype in (self._autocast if autocast is None else autocast).items():
             stack.enter_context(torch.autocast(device_type, dtype=dtype))
         return stack
 
@@ -480,8 +498,9 @@ class PipelineRuntime:
             what += " and on, " + ", ".join(f"children {a}..{b - 1} on partition {o}" for o, (a, b) in chain)
         if owner_starts:
             task.output_producer = chain[-1][0] if chain else owner
+        # The caller's autocast goes with the call: the step function may enter one itself.
         fields = {"id": call_id, "mb": task.mb, "path": path, "span": span, "grad": torch.is_grad_enabled(),
-                  "output": owner_starts}
+                  "output": owner_starts, "autocast": autocast_state()}
         if chain:
             fields["chain"] = [(o, tuple(sp)) for o, sp in chain]
         msg = Message("fwd", fields, (args, kwargs))
@@ -571,8 +590,9 @@ class PipelineRuntime:
             if not all(id(m) in self.local_module_ids for m in subs):
                 subs = []
             self._graphable_runs[run_id] = subs
-        # Checked at each call: a module may be marked after the partition.
-        return bool(subs) and all(getattr(m, "_smp_checkpoint", None) is None for m in subs)
+        # Checked at each call: a module may be marked, or get hooks, after the partition. A
+        # replay would skip a hook's Python (it ran at the capture only).
+        return bool(subs) and all(getattr(m, "_smp_checkpoint", None) is None and not _has_hooks(m) for m in subs)
 
     def _without_token(self, fn):
         """Sends can wait on the network: other work of this rank runs meanwhile."""
@@ -676,7 +696,7 @@ class PipelineRuntime:
         _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve", queue=msg.kind)
         try:
             take(tensors, ready)
-            with self._autocast_context():
+            with self._autocast_context(f.get("autocast")):
                 self._token.acquire(self._prio(task), self._label(task))
                 try:
                     if msg.kind == "fwd":
@@ -720,7 +740,8 @@ class PipelineRuntime:
         if chain:
             (nxt, span), rest = chain[0], chain[1:]
             hop = {"id": (self.pp_rank, self._step, next(self._ids)), "mb": f["mb"], "path": f["path"], "span": span,
-                   "grad": f["grad"], "output": f["output"], "reply": origin, "parent": f["id"]}
+                   "grad": f["grad"], "output": f["output"], "reply": origin, "parent": f["id"],
+                   "autocast": f["autocast"]}
             if rest:
                 hop["chain"] = rest
             dst, answer = nxt, Message("fwd", hop, ((out,), {}))

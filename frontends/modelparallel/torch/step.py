@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from .nested import is_mapping, mapping_like
+from .runtime import autocast_state
 from .state import state
 
 
@@ -84,22 +85,12 @@ def _outputs(results: List[Any], detach: bool) -> Any:
     first = results[0]
     if isinstance(first, torch.Tensor):
         return StepOutput([r.detach() if detach else r for r in results])
-    if isinstance(first, (list, tuple)) and not hasattr(first, "_fields"):
-        return type(first)(_outputs([r[i] for r in results], detach) for i in range(len(first)))
+    if isinstance(first, (list, tuple)):
+        fields = (_outputs([r[i] for r in results], detach) for i in range(len(first)))
+        return type(first)(*fields) if hasattr(first, "_fields") else type(first)(fields)  # a named tuple
     if is_mapping(first):
         return mapping_like(first, ((k, _outputs([r[k] for r in results], detach)) for k in first))
     return list(results)
-
-
-def _autocast_state() -> Dict[str, Any]:
-    out = {}
-    for device_type in ("cuda", "cpu"):
-        try:
-            if torch.is_autocast_enabled(device_type):
-                out[device_type] = torch.get_autocast_dtype(device_type)
-        except (TypeError, RuntimeError):
-            pass
-    return out
 
 
 def step(func: Optional[Callable] = None, *, non_split_inputs=None, input_split_axes=None,
@@ -125,7 +116,7 @@ def step(func: Optional[Callable] = None, *, non_split_inputs=None, input_split_
             microbatches = split_arguments(fn, args, kwargs, m, non_split, axes)
             if not model.partitioned:
                 model._partition(fn, microbatches[0])
-            results = model._run_step(fn, microbatches, torch.is_grad_enabled(), _autocast_state())
+            results = model._run_step(fn, microbatches, torch.is_grad_enabled(), autocast_state())
             if counted and not model._runtime.backward_seen:
                 state.step_calls -= 1
             return _outputs(results, detach_outputs)

@@ -76,6 +76,9 @@ class TiedParameters:
         """Sums the step's gradients over the copies, then adds back what was set aside. Every
         holder calls it after every step that ran a backward."""
         for _, params, group, _ in self._groups:
+            params = [p for p in params if p.requires_grad]  # a frozen copy keeps no gradient
+            if not params:
+                continue
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=group)

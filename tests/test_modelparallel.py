@@ -154,6 +154,26 @@ def test_auto_partition_splits_the_blocks_of_a_module_list_the_forward_loops_ove
 
 
 # -- microbatches ----------------------------------------------------------------------------------
+def test_trace_memory_usage_counts_what_the_backward_saves():
+    """DistributedModel(trace_memory_usage=True): each module's memory in the trace also counts
+    the tensors autograd saves for its backward (parameters excepted), once per storage."""
+
+    class Exp(nn.Module):
+        def forward(self, x):
+            return torch.exp(x)  # saves its output
+
+    net = nn.Sequential(nn.Linear(8, 32), Exp(), nn.Linear(32, 4))
+    x = torch.randn(5, 8)
+    with torch.no_grad(), Tracer(net, timed=False) as plain:
+        net(x)
+    with torch.enable_grad(), Tracer(net, timed=False, measure_saved=True) as measured:
+        net(x)
+    added = {k: measured.trace.memory[k] - plain.trace.memory[k] for k in plain.trace.memory}
+    # The first Linear saves its input (5 x 8 floats) for its weight's gradient; exp its output
+    # and the last Linear its input, the same 5 x 32 floats (counted for each module).
+    assert added == {"0": 5 * 8 * 4, "1": 5 * 32 * 4, "2": 5 * 32 * 4, "": (5 * 8 + 2 * 5 * 32) * 4}, added
+
+
 def test_split_follows_nesting_axes_and_non_split_inputs():
     class Sliced:
         def __init__(self, v):
@@ -259,6 +279,18 @@ def test_grad_scaler_takes_torch_cuda_amps_positional_init_scale_and_tensor_para
         smp.tensor_parallelism  # noqa: B018
     with pytest.raises(AttributeError, match="no attribute 'not_an_api'"):
         smp.not_an_api  # noqa: B018
+
+
+def test_smp_nn_fused_layer_norm_is_torchs_layer_norm_under_apexs_signature():
+    torch.manual_seed(3)
+    fused, plain = smp.nn.FusedLayerNorm(12, 1e-6, memory_efficient=True), nn.LayerNorm(12, eps=1e-6)
+    fused.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 12)
+    assert torch.equal(fused(x), plain(x))
+    with pytest.raises(AttributeError, match="tensor parallelism is not supported"):
+        smp.nn.DistributedTransformerLMHead  # noqa: B018
+    with pytest.raises(AttributeError, match="FusedLamb is not available in this implementation yet"):
+        smp.optimizers.FusedLamb  # noqa: B018
 
 
 def test_the_compute_token_waits_for_an_expected_older_task_then_gives_up_on_it():

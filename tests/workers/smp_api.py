@@ -106,8 +106,16 @@ def check_model_api():
     model.register_post_partition_hook(lambda m: calls.append(m.partitioned))
     # A full state given before the partition is applied once the model is partitioned.
     shifted = {k: v + 1.0 for k, v in plain.state_dict().items()}
-    model.load_state_dict(shifted)
-    assert not model.partitioned
+    # As torch's: a strict mismatch raises at the call, and the keys come back.
+    try:
+        model.load_state_dict({**shifted, "bogus": torch.zeros(1)})
+        raise AssertionError("a strict load with an unexpected key passed")
+    except RuntimeError as e:
+        assert "unexpected keys ['bogus']" in str(e), e
+    keys = model.load_state_dict({**shifted, "bogus": torch.zeros(1)}, strict=False)
+    assert keys.unexpected_keys == ["bogus"] and keys.missing_keys == [], keys
+    missing, unexpected = model.load_state_dict(shifted)
+    assert missing == [] and unexpected == [] and not model.partitioned
 
     tracing = []
 
@@ -281,6 +289,9 @@ def check_mapping_batches_are_split():
     plain = build()
     plain.load_state_dict(model.state_dict())
     assert torch.allclose(out.concat(), plain(batch["x"]), rtol=1e-5, atol=1e-6)
+    # After the partition too, the keys come back against the whole model (not this rank's part).
+    missing, unexpected = model.load_state_dict(model.state_dict())
+    assert missing == [] and unexpected == [], (missing, unexpected)
 
 
 def check_dtype_casts_apply():

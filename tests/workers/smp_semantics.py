@@ -6,8 +6,8 @@ argv: case
            own, an nn.Sequential subclass with a forward of its own, frozen parameters (one of
            them tied across the partitions) under AdamW's weight decay, a named tuple returned
            from the step function.
-  bn       (pp=2, automatic): BatchNorm's running statistics (the automatic partition's trace
-           runs a forward that must leave them as they were).
+  bn       (pp=2, automatic, trace_memory_usage): BatchNorm's running statistics (the automatic
+           partition's trace runs a forward, here with gradients on, that must leave them as they were).
   padding  (pp=2 x dp=2, automatic): replicas whose first batches differ in sequence length
            (dynamic padding) partition the same way.
 """
@@ -145,7 +145,8 @@ def main():
     ref, ref_losses, ref_calls = reference(replicas)
 
     calls = []
-    model = smp.DistributedModel(build(calls))
+    # bn: the trace also counts what the backward saves, so it records the autograd graph.
+    model = smp.DistributedModel(build(calls), trace_memory_usage=CASE == "bn")
     opt = smp.DistributedOptimizer(optimizer(model.parameters()))
 
     @smp.step

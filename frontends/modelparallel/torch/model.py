@@ -9,6 +9,7 @@ from typing import Any, Dict, FrozenSet, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.modules.module import _IncompatibleKeys
 from torch.utils.hooks import RemovableHandle
 
 from . import grad_sync, partial_state
@@ -70,6 +71,9 @@ class DistributedModel(nn.Module):
         self.module = module
         self.trace_device = trace_device
         self.trace_execution_times = trace_execution_times
+        self.trace_memory_usage = trace_memory_usage  # (trace.py: counts what the backward keeps)
+        # gradient_as_bucket_view is accepted for the original's scripts and changes no result:
+        # the reduction copies each bucket back into .grad (docs/modelparallel.md).
         self.overlapping_allreduce = overlapping_allreduce
         self.backward_passes_per_step = backward_passes_per_step
         self.average_grads_across_microbatches = average_grads_across_microbatches
@@ -190,28 +194,37 @@ class DistributedModel(nn.Module):
         return full
 
     def load_state_dict(self, state_dict, strict: bool = True):
+        """As torch's: returns the missing and unexpected keys (against the whole model), and
+        with `strict` raises on them at the call. Before the partition the state is kept and
+        loaded then; a partial state (smp.save(partial=True)) loads each rank's own part."""
         sd = dict(state_dict)
         partial = partial_state.take(sd, "DistributedModel.load_state_dict")
+        keys = _IncompatibleKeys([], []) if partial else self._compare_keys(sd, strict)
         if not self._partitioned:
             self._pending_state = (sd, strict, partial)
-            return None
+            return keys
         local = set(self._local_state())
         if partial:
             if everyone_has_own_part(set(sd) == local):  # the usual case: no tensor moves
                 missing, unexpected = self.module.load_state_dict(sd, strict=False)
                 assert not unexpected and not local.intersection(missing), (unexpected, missing)
-                return None
+                return keys
             sd = merge_over_pipeline(sd)  # saved under another assignment of modules to partitions
+            keys = self._compare_keys(sd, strict)
         # A full state: only this partition's entries are copied (the other partitions' live on
         # their ranks; copying them here would read and write the whole model on every rank).
         expected = set(self.module.state_dict())
-        if strict and set(sd) != expected:
-            missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+        self.module.load_state_dict({k: v for k, v in sd.items() if k in local or k not in expected}, strict=False)
+        return keys
+
+    def _compare_keys(self, sd: Dict[str, Any], strict: bool) -> _IncompatibleKeys:
+        expected = set(self.module.state_dict())
+        missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+        if strict and (missing or unexpected):
             raise RuntimeError(f"smp: DistributedModel.load_state_dict: missing keys {missing[:8]}, unexpected keys "
                                f"{unexpected[:8]}" + (" (more not shown)" if len(missing) > 8 or len(unexpected) > 8
                                                        else ""))
-        return self.module.load_state_dict({k: v for k, v in sd.items() if k in local or k not in expected},
-                                           strict=False)
+        return _IncompatibleKeys(missing, unexpected)
 
     def cpu(self):
         """Gathers every partition's parameters and buffers into this process, on the CPU."""
@@ -289,8 +302,9 @@ class DistributedModel(nn.Module):
         buffers_before = [(m, name, b.detach().clone()) for m in self.module.modules()
                           for name, b in m._buffers.items() if b is not None]
         try:
-            with torch.random.fork_rng(devices=rng_devices), torch.no_grad(), \
-                    Tracer(self.module, self.trace_execution_times) as tracer:
+            # With trace_memory_usage autograd records the forward, to count what it saves.
+            with torch.random.fork_rng(devices=rng_devices), torch.set_grad_enabled(self.trace_memory_usage), \
+                    Tracer(self.module, self.trace_execution_times, self.trace_memory_usage) as tracer:
                 state.tracing = True
                 try:
                     fn(*args, **kwargs)

@@ -439,7 +439,8 @@ class PipelineRuntime:
         dst, msg = self._frame_backward(call_id, seeds, seed_grads)
         with self._lock:
             self.output_backwards += 1
-        self._without_token(lambda: self.links.send(dst, msg))
+        turn = self.links.reserve(dst)
+        self._without_token(lambda: self.links.send(dst, msg, turn))
         self._check_grads_final()
 
     def _backward(self, calls: List[RemoteCall], seeds, seed_grads, last_use: bool = False) -> None:
@@ -505,7 +506,8 @@ class PipelineRuntime:
             fields["chain"] = [(o, tuple(sp)) for o, sp in chain]
         msg = Message("fwd", fields, (args, kwargs))
         waiter = self._expect(("fwd_done", call_id), f"the forward of {what} on partition {owner}")
-        sent = self._without_token(lambda: self.links.send(owner, msg))
+        turn = self.links.reserve(owner)  # (holding the token: the peer serves calls in this order)
+        sent = self._without_token(lambda: self.links.send(owner, msg, turn))
         out, tensors, specs = self._wait_on(waiter)
         tail = (owner, call_id)
         if chain:  # the last hop answers with its output and where its backward is asked for
@@ -530,7 +532,8 @@ class PipelineRuntime:
 
     def _request(self, owner: int, msg: Message, key, what: str):
         waiter = self._expect(key, what + f" on partition {owner}")
-        self._without_token(lambda: self.links.send(owner, msg))
+        turn = self.links.reserve(owner)
+        self._without_token(lambda: self.links.send(owner, msg, turn))
         body, _, _ = self._wait_on(waiter)
         return body
 

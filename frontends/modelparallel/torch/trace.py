@@ -3,6 +3,9 @@
 Records, per module path: the order modules are first called in, the bytes of parameters
 and buffers its subtree holds plus the bytes its outputs take (memory), and either measured
 time (trace_execution_times) or a work estimate, parameters plus output elements (compute).
+With trace_memory_usage the forward runs with gradients on and the memory also counts the
+bytes its subtree saves for the backward (the activations a pipeline stage holds per
+microbatch), seen through autograd's saved-tensor hooks, so on any device.
 """
 from __future__ import annotations
 
@@ -34,9 +37,17 @@ def _tensor_bytes(obj) -> int:
 
 
 class Tracer:
-    def __init__(self, root: nn.Module, timed: bool):
+    def __init__(self, root: nn.Module, timed: bool, measure_saved: bool = False):
+        """`measure_saved`: count what autograd saves for the backward (the caller runs the
+        forward with gradients on)."""
         self.root = root
         self.timed = timed
+        self._saved: Dict[str, int] = {}
+        self._seen: set = set()  # (path, storage) pairs already counted
+        self._stack: List[str] = []  # modules being called, innermost last
+        self._params = {t.data_ptr() for t in [*root.parameters(), *root.buffers()]}
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t) \
+            if measure_saved else None
         self.trace = Trace()
         self._paths = {id(m): p for p, m in root.named_modules()}
         self._out_bytes: Dict[str, int] = {}
@@ -48,12 +59,27 @@ class Tracer:
         for m in self.root.modules():
             self._handles.append(m.register_forward_pre_hook(self._pre))
             self._handles.append(m.register_forward_hook(self._post))
+        if self._saved_hooks is not None:
+            self._saved_hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
+        if self._saved_hooks is not None:
+            self._saved_hooks.__exit__(*exc)
         for h in self._handles:
             h.remove()
         self._finish()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor saved for the backward: counted once for the innermost module being called,
+        unless it is a parameter or buffer (held already) or shares storage with one counted."""
+        if self._stack and t.data_ptr() not in self._params:
+            key = (self._stack[-1], t.untyped_storage().data_ptr())
+            if key not in self._seen:
+                self._seen.add(key)
+                self._saved[self._stack[-1]] = self._saved.get(self._stack[-1], 0) + \
+                    t.untyped_storage().nbytes()
+        return t
 
     def _sync(self):
         if self.timed and torch.cuda.is_available():
@@ -66,6 +92,7 @@ class Tracer:
         if path not in self._out_bytes:
             self.trace.order.append(path)
             self._out_bytes[path] = 0
+        self._stack.append(path)
         if self.timed:
             self._sync()
             self._start.setdefault(id(m), []).append(time.perf_counter())
@@ -75,6 +102,8 @@ class Tracer:
         if path is None:
             return
         self._out_bytes[path] += _tensor_bytes(out)
+        if self._stack and self._stack[-1] == path:
+            self._stack.pop()
         if self.timed:
             self._sync()
             t0 = self._start[id(m)].pop()
@@ -84,7 +113,9 @@ class Tracer:
         for path, m in self.root.named_modules():
             held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
             out = self._out_bytes.get(path, 0)
-            self.trace.memory[path] = float(held + out)
+            subtree = [f"{path}.{q}" if path and q else (q or path) for q, _ in m.named_modules()]
+            saved = sum(self._saved.get(p, 0) for p in subtree)
+            self.trace.memory[path] = float(held + out + saved)
             if self.timed:
                 self.trace.compute[path] = self._time.get(path, 0.0)
             else:

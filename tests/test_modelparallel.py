@@ -289,8 +289,56 @@ def test_smp_nn_fused_layer_norm_is_torchs_layer_norm_under_apexs_signature():
     assert torch.equal(fused(x), plain(x))
     with pytest.raises(AttributeError, match="tensor parallelism is not supported"):
         smp.nn.DistributedTransformerLMHead  # noqa: B018
-    with pytest.raises(AttributeError, match="FusedLamb is not available in this implementation yet"):
-        smp.optimizers.FusedLamb  # noqa: B018
+    with pytest.raises(AttributeError, match="FusedNovoGrad is not available in this implementation yet"):
+        smp.optimizers.FusedNovoGrad  # noqa: B018
+
+
+def _lamb_by_hand(values, grads_per_step, groups, lr, betas, eps, max_norm, adam_w, nvlamb):
+    """apex FusedLAMB's rule in float64, one tensor at a time: `groups[i]` is tensor i's
+    weight decay; the clip divides by the norm over every tensor's gradient."""
+    b1, b2 = betas
+    p = [v.double().clone() for v in values]
+    m = [torch.zeros_like(x) for x in p]
+    v = [torch.zeros_like(x) for x in p]
+    for t, grads in enumerate(grads_per_step, 1):
+        norm = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+        divisor = max(norm.item() / max_norm, 1.0)
+        for i, wd in enumerate(groups):
+            g = grads[i].double() / divisor
+            if not adam_w:
+                g = g + wd * p[i]
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            u = (m[i] / (1 - b1 ** t)) / (torch.sqrt(v[i] / (1 - b2 ** t)) + eps)
+            if adam_w:
+                u = u + wd * p[i]
+            rate = lr
+            if (nvlamb or wd != 0) and p[i].norm() > 0 and u.norm() > 0:
+                rate = lr * (p[i].norm() / u.norm()).item()
+            p[i] = p[i] - rate * u
+    return p
+
+
+@pytest.mark.parametrize("adam_w, nvlamb", [(True, False), (False, False), (True, True)])
+def test_fused_lamb_makes_apexs_update(adam_w, nvlamb):
+    """smp.optimizers.FusedLamb against LAMB written out by hand: two parameter groups (one
+    without weight decay), gradients large enough to be clipped by their joint norm."""
+    g = torch.Generator().manual_seed(5)
+    values = [torch.randn(3, 4, generator=g), torch.randn(4, generator=g)]
+    grads = [[torch.randn(3, 4, generator=g) * 3, torch.randn(4, generator=g) * 3] for _ in range(3)]
+    params = [nn.Parameter(x.clone()) for x in values]
+    opt = smp.optimizers.FusedLamb([{"params": [params[0]], "weight_decay": 0.1}, {"params": [params[1]],
+                                    "weight_decay": 0.0}], lr=0.05, max_grad_norm=2.0, adam_w_mode=adam_w,
+                                   use_nvlamb=nvlamb)
+    for step in grads:
+        for prm, gr in zip(params, step):
+            prm.grad = gr.clone()
+        opt.step()
+    expected = _lamb_by_hand(values, grads, [0.1, 0.0], 0.05, (0.9, 0.999), 1e-6, 2.0, adam_w, nvlamb)
+    for prm, want in zip(params, expected):
+        assert torch.allclose(prm.double(), want, rtol=1e-5, atol=1e-6), (prm, want)
+    opt.zero_grad()
+    assert all(prm.grad is None for prm in params)  # set_grad_none, as apex's
 
 
 def test_the_compute_token_waits_for_an_expected_older_task_then_gives_up_on_it():
@@ -489,6 +537,17 @@ def test_tied_weights_across_partitions_train_like_one_process(procs, parts, pip
         assert r["kept_after_steps"] == [], r["kept_after_steps"]
         holds_tie = "embed.weight" in r["local"]
         assert holds_tie == (r["pp_rank"] in (0, parts - 1)), r
+
+
+@pytest.mark.parametrize("procs, parts", [(3, 3), (4, 2)], ids=["pp3", "pp2xdp2"])
+def test_fused_lamb_clips_by_the_whole_models_norm_and_trains_like_one_process(procs, parts):
+    """smp.optimizers.FusedLamb with a clip every step reaches: tied weights across the first
+    and last partitions (their summed gradient counted once) and replicas (counted once)."""
+    results = run_world(procs, "smp_pipeline.py", ["tied", "manual", "interleaved", str(parts), "4", "4"],
+                        env={"SMP_TEST_OPTIMIZER": "lamb"}, timeout=120)
+    assert_all_ok(results)
+    for r in (r.event("trained") for r in results):
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
 
 
 @pytest.mark.parametrize("procs, parts", LAYOUTS, ids=["pp2", "pp3", "pp2xdp2"])

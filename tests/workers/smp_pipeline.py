@@ -198,6 +198,14 @@ def build():
     return SkipNet(PARTS)
 
 
+def optimizer(params):
+    """SGD with momentum, or with SMP_TEST_OPTIMIZER=lamb smp's FusedLamb, clipping by a norm
+    the gradients exceed (every stage must clip by the whole model's norm)."""
+    if os.environ.get("SMP_TEST_OPTIMIZER") == "lamb":
+        return smp.optimizers.FusedLamb(params, lr=0.05, max_grad_norm=0.05)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
 def loss_of(out, target):
     logits = out["logits"] if isinstance(out, dict) else out
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
@@ -236,7 +244,7 @@ def main():
 
     # The reference: one process, the whole batch of every replica, plain autograd.
     ref = build().to(dev)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = optimizer(ref.parameters())
     ref_losses = []
     autocast = lambda: torch.autocast(dev.type, dtype=torch.bfloat16, enabled=AUTOCAST)  # noqa: E731
     for x, y in data:
@@ -262,7 +270,7 @@ def main():
             smp.set_activation_checkpointing(model.module.shared)
         else:
             smp.set_activation_checkpointing(model.module[2])
-    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt = smp.DistributedOptimizer(optimizer(model.parameters()))
     loss_graphs = []  # per microbatch: whether this rank's copy of the loss carries a graph
 
     @smp.step

@@ -19,7 +19,7 @@ from .comm import (CommGroup, RankType, allgather, barrier, broadcast, dp_barrie
                    get_pp_process_group, get_rdp_group, get_rdp_process_group, get_tp_group,
                    get_world_process_group, local_rank, local_size, mp_barrier, mp_rank, mp_size, pp_barrier,
                    pp_rank, pp_size, rank, rdp_rank, rdp_size, recv_from, send, size, tp_rank, tp_size)
-from . import amp, nn, optimizers  # noqa: F401 (smp.amp.GradScaler, smp.nn.FusedLayerNorm)
+from . import amp, nn, optimizers  # noqa: F401 (smp.amp.GradScaler, smp.nn.FusedLayerNorm, smp.optimizers.FusedLamb)
 # The checkpoint submodule first: importing it binds the package attribute `checkpoint` to the
 # module, and smp.checkpoint must be the activation-checkpointing function.
 from .checkpoint import load, resume_from_checkpoint, save, save_checkpoint  # noqa: F401

@@ -424,6 +424,10 @@ class DistributedModel(nn.Module):
         return forward
 
     # -- a step ------------------------------------------------------------------------------------
+    def _norm_counted_elsewhere(self) -> set:
+        """Parameters of this rank that another rank counts in a whole-model gradient norm."""
+        return self._tied.counted_elsewhere(state.topo.pp_rank)
+
     def _reduced_parameter_sets(self) -> List[List[nn.Parameter]]:
         """This partition's parameters in the data-parallel reductions, in their order: the
         untied ones (started early with overlapping_allreduce), then the tied ones (after their

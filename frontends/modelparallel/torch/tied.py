@@ -54,6 +54,11 @@ class TiedParameters:
     def local(self) -> List[nn.Parameter]:
         return [p for _, params, _, _ in self._groups for p in params]
 
+    def counted_elsewhere(self, pp_rank: int) -> set:
+        """This rank's copies whose (summed, equal) gradient a lower holder counts, in a norm of
+        the whole model's gradients."""
+        return {id(p) for owners, params, _, _ in self._groups if owners[0] != pp_rank for p in params}
+
     def is_tied(self, p: nn.Parameter) -> bool:
         return id(p) in self._ids
 

@@ -439,7 +439,7 @@ class PipelineRuntime:
         dst, msg = self._frame_backward(call_id, seeds, seed_grads)
         with self._lock:
             self.output_backwards += 1
-        turn = self.links.reserve(dst)
+        turn = self.links.reserve(dst, msg.kind)
         self._without_token(lambda: self.links.send(dst, msg, turn))
         self._check_grads_final()
 
@@ -506,7 +506,7 @@ class PipelineRuntime:
             fields["chain"] = [(o, tuple(sp)) for o, sp in chain]
         msg = Message("fwd", fields, (args, kwargs))
         waiter = self._expect(("fwd_done", call_id), f"the forward of {what} on partition {owner}")
-        turn = self.links.reserve(owner)  # (holding the token: the peer serves calls in this order)
+        turn = self.links.reserve(owner, msg.kind)  # (holding the token: the peer serves calls in this order)
         sent = self._without_token(lambda: self.links.send(owner, msg, turn))
         out, tensors, specs = self._wait_on(waiter)
         tail = (owner, call_id)
@@ -532,7 +532,7 @@ class PipelineRuntime:
 
     def _request(self, owner: int, msg: Message, key, what: str):
         waiter = self._expect(key, what + f" on partition {owner}")
-        turn = self.links.reserve(owner)
+        turn = self.links.reserve(owner, msg.kind)
         self._without_token(lambda: self.links.send(owner, msg, turn))
         body, _, _ = self._wait_on(waiter)
         return body

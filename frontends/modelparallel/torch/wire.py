@@ -17,6 +17,7 @@ no tags: a one-way group with one writer and one reader keeps its order).
 """
 from __future__ import annotations
 
+import collections
 import io
 import pickle
 import threading
@@ -116,10 +117,12 @@ class Links:
         self._cuda_groups = cuda_groups  # (src pp rank, dst pp rank) -> one-way group
         self._device = device
         self._locks = {p: threading.Lock() for p in range(len(pp_ranks)) if p != me}
-        # Sends that reserve a turn (Links.reserve) go out in the order of their reservations.
+        # Sends that reserve a turn (Links.reserve) go out in the order of their reservations,
+        # per peer and message kind: the peer queues each kind apart (forward calls, backward
+        # requests), so a backward never waits for a forward's turn.
         self._turns = threading.Condition()
-        self._next_ticket = {p: 0 for p in self._locks}
-        self._turn = {p: 0 for p in self._locks}
+        self._next_ticket: Dict[Tuple[int, str], int] = collections.defaultdict(int)
+        self._turn: Dict[Tuple[int, str], int] = collections.defaultdict(int)
         self.timeline = None  # set by the runtime: sends and receives appear in its trace
         # CUDA receives run on a stream of their own per peer: on the shared default stream an
         # NCCL receive would first wait for all compute queued before it, and the sender's
@@ -127,25 +130,26 @@ class Links:
         self._recv_streams = ({p: torch.cuda.Stream(device) for p in self._locks}
                               if device.type == "cuda" else {})
 
-    def reserve(self, dst: int) -> int:
+    def reserve(self, dst: int, kind: str) -> int:
         """A turn for a later send to `dst`. The runtime reserves while holding the compute
         token, so sends leave in the order of the work that made them, not in whatever order
         their threads reach the link after letting go of the token: the peer serves calls in
         arrival order, and the order of microbatches through a module is visible (BatchNorm's
         running statistics, the sum of a parameter's gradients)."""
         with self._turns:
-            ticket = self._next_ticket[dst]
-            self._next_ticket[dst] += 1
+            ticket = self._next_ticket[dst, kind]
+            self._next_ticket[dst, kind] += 1
             return ticket
 
     def send(self, dst: int, msg: Message, turn: Optional[int] = None) -> List[torch.Tensor]:
         """Sends `msg` to pipeline rank `dst`, after the sends of earlier turns when `turn` (from
         reserve) is given; returns the tensors it carried (the caller's). A turn is always
         used up, also when the send fails, so later turns never wait for it forever."""
+        key = (dst, msg.kind)
         try:
             if turn is not None:
                 with self._turns:
-                    self._turns.wait_for(lambda: self._turn[dst] == turn)
+                    self._turns.wait_for(lambda: self._turn[key] == turn)
             meta, tensors, _ = encode(msg)
             with self.timeline.span(f"send {msg.kind} to {dst}", "send") if self.timeline else nullcontext():
                 self.send_encoded(dst, meta, tensors)
@@ -153,7 +157,7 @@ class Links:
         finally:
             if turn is not None:
                 with self._turns:
-                    self._turn[dst] += 1
+                    self._turn[key] += 1
                     self._turns.notify_all()
 
     def send_encoded(self, dst: int, meta: bytes, tensors: List[torch.Tensor]) -> None:

@@ -61,6 +61,5 @@ _TENSOR_PARALLEL = {"tensor_parallelism", "delay_param_initialization", "set_ten
 
 def __getattr__(name: str):
     if name in _TENSOR_PARALLEL:
-        raise AttributeError(f"smp.{name}: tensor parallelism is not supported by this implementation of "
-                             "smdistributed.modelparallel (pipeline and data parallelism are)")
+        raise nn.tensor_parallelism_unsupported(f"smp.{name}")
     raise AttributeError(f"module 'smdistributed.modelparallel.torch' has no attribute '{name}'")

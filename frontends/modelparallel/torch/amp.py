@@ -16,10 +16,11 @@ class GradScaler(torch.amp.GradScaler):
     def __init__(self, *args, **kwargs):
         """torch.amp.GradScaler's arguments (device first), or torch.cuda.amp.GradScaler's,
         whose first is init_scale: GradScaler(1024.0) must not read 1024.0 as a device."""
+        default = "cuda" if torch.cuda.is_available() else "cpu"
         if args and isinstance(args[0], (int, float)) and not isinstance(args[0], bool):
-            args = ("cuda" if torch.cuda.is_available() else "cpu", *args)
-        elif not args and "device" not in kwargs:
-            kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+            args = (default, *args)
+        elif not args:
+            kwargs.setdefault("device", default)
         super().__init__(*args, **kwargs)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:

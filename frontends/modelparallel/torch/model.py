@@ -47,6 +47,17 @@ def _free_blas_workspaces() -> None:
         clear()
 
 
+def _compare_keys(expected: set, sd: Dict[str, Any], strict: bool) -> _IncompatibleKeys:
+    """A state's keys against the whole model's, as torch reports them; with `strict` a
+    mismatch raises."""
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"smp: DistributedModel.load_state_dict: missing keys {missing[:8]}, unexpected keys "
+                           f"{unexpected[:8]}" + (" (more not shown)" if len(missing) > 8 or len(unexpected) > 8
+                                                   else ""))
+    return _IncompatibleKeys(missing, unexpected)
+
+
 class DistributedModel(nn.Module):
     def __init__(self, module: nn.Module, trace_device: str = "gpu", trace_execution_times: bool = False,
                  overlapping_allreduce: bool = True, backward_passes_per_step: int = 1,
@@ -199,7 +210,8 @@ class DistributedModel(nn.Module):
         loaded then; a partial state (smp.save(partial=True)) loads each rank's own part."""
         sd = dict(state_dict)
         partial = partial_state.take(sd, "DistributedModel.load_state_dict")
-        keys = _IncompatibleKeys([], []) if partial else self._compare_keys(sd, strict)
+        expected = set(self.module.state_dict())
+        keys = _IncompatibleKeys([], []) if partial else _compare_keys(expected, sd, strict)
         if not self._partitioned:
             self._pending_state = (sd, strict, partial)
             return keys
@@ -210,21 +222,11 @@ class DistributedModel(nn.Module):
                 assert not unexpected and not local.intersection(missing), (unexpected, missing)
                 return keys
             sd = merge_over_pipeline(sd)  # saved under another assignment of modules to partitions
-            keys = self._compare_keys(sd, strict)
+            keys = _compare_keys(expected, sd, strict)
         # A full state: only this partition's entries are copied (the other partitions' live on
         # their ranks; copying them here would read and write the whole model on every rank).
-        expected = set(self.module.state_dict())
         self.module.load_state_dict({k: v for k, v in sd.items() if k in local or k not in expected}, strict=False)
         return keys
-
-    def _compare_keys(self, sd: Dict[str, Any], strict: bool) -> _IncompatibleKeys:
-        expected = set(self.module.state_dict())
-        missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"smp: DistributedModel.load_state_dict: missing keys {missing[:8]}, unexpected keys "
-                               f"{unexpected[:8]}" + (" (more not shown)" if len(missing) > 8 or len(unexpected) > 8
-                                                       else ""))
-        return _IncompatibleKeys(missing, unexpected)
 
     def cpu(self):
         """Gathers every partition's parameters and buffers into this process, on the CPU."""

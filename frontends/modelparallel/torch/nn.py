@@ -15,8 +15,13 @@ class FusedLayerNorm(torch.nn.LayerNorm):
         super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
 
 
+def tensor_parallelism_unsupported(name: str) -> AttributeError:
+    """The error for a name of the original's tensor-parallel API (smp.nn.* and smp.*)."""
+    return AttributeError(f"{name}: tensor parallelism is not supported by this implementation of "
+                          "smdistributed.modelparallel (pipeline and data parallelism are)")
+
+
 def __getattr__(name: str):
     if name.startswith("Distributed"):
-        raise AttributeError(f"smp.nn.{name}: tensor parallelism is not supported by this implementation of "
-                             "smdistributed.modelparallel (pipeline and data parallelism are)")
+        raise tensor_parallelism_unsupported(f"smp.nn.{name}")
     raise AttributeError(f"module 'smdistributed.modelparallel.torch.nn' has no attribute '{name}'")

@@ -109,10 +109,10 @@ class FusedLamb(torch.optim.Optimizer):
             update = (m / correction1) / ((v / correction2).sqrt() + eps)
             if self.adam_w_mode and decay != 0:
                 update = update + decay * value
-            rate = torch.tensor(lr, dtype=torch.float32, device=p.device)
-            if self.use_nvlamb or decay != 0:
+            rate = lr
+            if self.use_nvlamb or decay != 0:  # the trust ratio, where both norms are non-zero
                 p_norm, u_norm = value.norm(), update.norm()
-                rate = torch.where((p_norm > 0) & (u_norm > 0), lr * p_norm / u_norm, rate)
+                rate = torch.where((p_norm > 0) & (u_norm > 0), lr * p_norm / u_norm, lr)
             st["exp_avg"].copy_(m)
             st["exp_avg_sq"].copy_(v)
             p.copy_(value - rate * update)

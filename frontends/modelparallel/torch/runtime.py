@@ -439,8 +439,7 @@ class PipelineRuntime:
         dst, msg = self._frame_backward(call_id, seeds, seed_grads)
         with self._lock:
             self.output_backwards += 1
-        turn = self.links.reserve(dst, msg.kind)
-        self._without_token(lambda: self.links.send(dst, msg, turn))
+        self._send_in_turn(dst, msg)
         self._check_grads_final()
 
     def _backward(self, calls: List[RemoteCall], seeds, seed_grads, last_use: bool = False) -> None:
@@ -506,8 +505,7 @@ class PipelineRuntime:
             fields["chain"] = [(o, tuple(sp)) for o, sp in chain]
         msg = Message("fwd", fields, (args, kwargs))
         waiter = self._expect(("fwd_done", call_id), f"the forward of {what} on partition {owner}")
-        turn = self.links.reserve(owner, msg.kind)  # (holding the token: the peer serves calls in this order)
-        sent = self._without_token(lambda: self.links.send(owner, msg, turn))
+        sent = self._send_in_turn(owner, msg)
         out, tensors, specs = self._wait_on(waiter)
         tail = (owner, call_id)
         if chain:  # the last hop answers with its output and where its backward is asked for
@@ -532,8 +530,7 @@ class PipelineRuntime:
 
     def _request(self, owner: int, msg: Message, key, what: str):
         waiter = self._expect(key, what + f" on partition {owner}")
-        turn = self.links.reserve(owner, msg.kind)
-        self._without_token(lambda: self.links.send(owner, msg, turn))
+        self._send_in_turn(owner, msg)
         body, _, _ = self._wait_on(waiter)
         return body
 
@@ -596,6 +593,12 @@ class PipelineRuntime:
         # Checked at each call: a module may be marked, or get hooks, after the partition. A
         # replay would skip a hook's Python (it ran at the capture only).
         return bool(subs) and all(getattr(m, "_smp_checkpoint", None) is None and not _has_hooks(m) for m in subs)
+
+    def _send_in_turn(self, dst: int, msg: Message) -> List[torch.Tensor]:
+        """Sends a message whose order the peer sees (it serves each kind in arrival order): the
+        turn is taken while this task holds the token, the send made without it."""
+        turn = self.links.reserve(dst, msg.kind)
+        return self._without_token(lambda: self.links.send(dst, msg, turn))
 
     def _without_token(self, fn):
         """Sends can wait on the network: other work of this rank runs meanwhile."""

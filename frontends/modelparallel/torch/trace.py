@@ -45,9 +45,10 @@ class Tracer:
         self._saved: Dict[str, int] = {}
         self._seen: set = set()  # (path, storage) pairs already counted
         self._stack: List[str] = []  # modules being called, innermost last
-        self._params = {t.data_ptr() for t in [*root.parameters(), *root.buffers()]}
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t) \
-            if measure_saved else None
+        self._saved_hooks = None
+        if measure_saved:
+            self._params = {t.data_ptr() for t in [*root.parameters(), *root.buffers()]}
+            self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self.trace = Trace()
         self._paths = {id(m): p for p, m in root.named_modules()}
         self._out_bytes: Dict[str, int] = {}
@@ -113,14 +114,13 @@ class Tracer:
         for path, m in self.root.named_modules():
             held = sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
             out = self._out_bytes.get(path, 0)
-            subtree = [f"{path}.{q}" if path and q else (q or path) for q, _ in m.named_modules()]
-            saved = sum(self._saved.get(p, 0) for p in subtree)
+            inside = [f"{path}.{q}" if path else q for q, _ in m.named_modules() if q]  # its submodules
+            saved = sum(self._saved.get(p, 0) for p in [path, *inside])
             self.trace.memory[path] = float(held + out + saved)
             if self.timed:
                 self.trace.compute[path] = self._time.get(path, 0.0)
             else:
                 elems = sum(p.numel() for p in m.parameters()) + out / 4
                 # Children's outputs are work done inside this module too.
-                inner = sum(self._out_bytes.get(f"{path}.{q}" if path else q, 0)
-                            for q, _ in m.named_modules() if q) / 4
+                inner = sum(self._out_bytes.get(p, 0) for p in inside) / 4
                 self.trace.compute[path] = float(elems + inner)

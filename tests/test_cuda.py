@@ -258,6 +258,20 @@ def test_cuda_modelparallel_pipeline_trains_like_one_gpu(procs, parts, model, mo
 
 
 @needs_two_gpus
+@pytest.mark.parametrize("procs, parts", GPU_LAYOUTS[:2])
+@pytest.mark.parametrize("name", ["lamb", "novograd"])
+def test_cuda_modelparallel_smp_optimizers_train_like_one_gpu(procs, parts, name):
+    """smp.optimizers.FusedLamb (its clip takes the norm over every stage and replica, a
+    collective of GPU tensors) and FusedNovoGrad (per-tensor norms, no collective), with a
+    weight tied across the first and last stages: the same parameters and losses as one GPU."""
+    results = run_world(procs, "smp_pipeline.py", ["tied", "manual", "interleaved", str(parts), "4", "4"],
+                        gpus=True, timeout=300, env={"SMP_TEST_OPTIMIZER": name})
+    assert_all_ok(results)
+    for r in (r.event("trained") for r in results):
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+
+
+@needs_two_gpus
 @pytest.mark.parametrize("model, mode, pipeline", [("enc", "auto", "interleaved"), ("enc", "auto", "simple"),
                                                    ("seq", "auto", "interleaved"), ("skip", "manual", "simple"),
                                                    ("resid", "manual", "interleaved")])

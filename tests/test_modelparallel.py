@@ -1,5 +1,6 @@
 """smdistributed.modelparallel.torch: configuration, layout and partition logic in process,
 then pipelines of real processes trained against one process on the same batches."""
+import copy
 import json
 import os
 import re
@@ -289,8 +290,6 @@ def test_smp_nn_fused_layer_norm_is_torchs_layer_norm_under_apexs_signature():
     assert torch.equal(fused(x), plain(x))
     with pytest.raises(AttributeError, match="tensor parallelism is not supported"):
         smp.nn.DistributedTransformerLMHead  # noqa: B018
-    with pytest.raises(AttributeError, match="FusedNovoGrad is not available in this implementation yet"):
-        smp.optimizers.FusedNovoGrad  # noqa: B018
 
 
 def _lamb_by_hand(values, grads_per_step, groups, lr, betas, eps, max_norm, adam_w, nvlamb):
@@ -339,6 +338,81 @@ def test_fused_lamb_makes_apexs_update(adam_w, nvlamb):
         assert torch.allclose(prm.double(), want, rtol=1e-5, atol=1e-6), (prm, want)
     opt.zero_grad()
     assert all(prm.grad is None for prm in params)  # set_grad_none, as apex's
+
+
+def _novograd_by_hand(values, grads_per_step, decays, lr, betas, eps, inside, averaging, norm_type, init_zero,
+                      correct):
+    """apex FusedNovoGrad's rule in float64, one tensor at a time (`decays[i]` is tensor i's
+    weight decay): the second moment is a running norm of each whole gradient."""
+    b1, b2 = betas
+    p = [x.double().clone() for x in values]
+    m = [torch.zeros_like(x) for x in p]
+    v = [None] * len(p)
+    for t, grads in enumerate(grads_per_step, 1):
+        c1, c2 = (1 - b1 ** t, (1 - b2 ** t) ** 0.5) if correct else (1.0, 1.0)
+        b3 = 1 - b1 if averaging else 1.0
+        for i, wd in enumerate(decays):
+            g = grads[i].double()
+            n = g.norm().item() if norm_type == 2 else g.abs().max().item()
+            if v[i] is None:
+                v[i] = 0.0 if init_zero else n
+            v[i] = (b2 * v[i] ** 2 + (1 - b2) * n ** 2) ** 0.5 if norm_type == 2 else b2 * v[i] + (1 - b2) * n
+            denom = v[i] / c2 + eps
+            if inside:
+                m[i] = b1 * m[i] + b3 * (g / denom + wd * p[i])
+                p[i] = p[i] - lr * m[i] / c1
+            else:
+                m[i] = b1 * m[i] + b3 * g
+                p[i] = p[i] - lr * ((m[i] / c1) / denom + wd * p[i])
+    return p
+
+
+NOVOGRAD_CASES = [dict(), dict(reg_inside_moment=True), dict(norm_type=0), dict(init_zero=True),
+                  dict(grad_averaging=False, bias_correction=False)]
+
+
+@pytest.mark.parametrize("options", NOVOGRAD_CASES, ids=["default", "inside", "inf-norm", "init-zero", "plain"])
+def test_fused_novograd_makes_apexs_update(options):
+    """smp.optimizers.FusedNovoGrad against NovoGrad written out by hand: two parameter groups
+    (one without weight decay), a float32 and a bfloat16 tensor, and each option of apex's."""
+    g = torch.Generator().manual_seed(6)
+    values = [torch.randn(3, 4, generator=g), torch.randn(5, generator=g)]
+    grads = [[torch.randn(3, 4, generator=g) * (t + 1), torch.randn(5, generator=g)] for t in range(4)]
+    params = [nn.Parameter(x.clone()) for x in values]
+    opt = smp.optimizers.FusedNovoGrad([{"params": [params[0]], "weight_decay": 0.1}, {"params": [params[1]]}],
+                                       lr=0.05, **options)
+    for step in grads:
+        for prm, gr in zip(params, step):
+            prm.grad = gr.clone()
+        opt.step()
+    expected = _novograd_by_hand(values, grads, [0.1, 0.0], 0.05, (0.9, 0.999), 1e-8,
+                                 options.get("reg_inside_moment", False), options.get("grad_averaging", True),
+                                 options.get("norm_type", 2), options.get("init_zero", False),
+                                 options.get("bias_correction", True))
+    for prm, want in zip(params, expected):
+        assert torch.allclose(prm.double(), want, rtol=1e-5, atol=1e-6), (prm, want)
+    opt.zero_grad()
+    assert all(prm.grad is None for prm in params)  # set_grad_none, as apex's
+    # The saved state carries the per-tensor norms, so a reloaded optimizer goes on identically.
+    again = [nn.Parameter(prm.detach().clone()) for prm in params]
+    resumed = smp.optimizers.FusedNovoGrad([{"params": [again[0]], "weight_decay": 0.1}, {"params": [again[1]]}],
+                                           lr=0.05, **options)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a file: torch would share the tensors
+    for o, ps in ((opt, params), (resumed, again)):
+        for prm, gr in zip(ps, grads[0]):
+            prm.grad = gr.clone()
+        o.step()
+    assert all(torch.equal(a, b) for a, b in zip(params, again))
+    bf16 = nn.Parameter(values[0].bfloat16())
+    bf16.grad = grads[0][0].bfloat16()
+    smp.optimizers.FusedNovoGrad([bf16], lr=0.05).step()
+    want = _novograd_by_hand([values[0].bfloat16()], [[grads[0][0].bfloat16()]], [0.0], 0.05, (0.9, 0.999), 1e-8,
+                             False, True, 2, False, True)[0]
+    assert bf16.dtype == torch.bfloat16 and torch.allclose(bf16.double(), want, rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="norm_type must be 2"):
+        smp.optimizers.FusedNovoGrad(params, norm_type=1)
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        smp.optimizers.FusedNovoGrad(params, amsgrad=True)
 
 
 def test_the_compute_token_waits_for_an_expected_older_task_then_gives_up_on_it():
@@ -539,12 +613,14 @@ def test_tied_weights_across_partitions_train_like_one_process(procs, parts, pip
         assert holds_tie == (r["pp_rank"] in (0, parts - 1)), r
 
 
-@pytest.mark.parametrize("procs, parts", [(3, 3), (4, 2)], ids=["pp3", "pp2xdp2"])
-def test_fused_lamb_clips_by_the_whole_models_norm_and_trains_like_one_process(procs, parts):
+@pytest.mark.parametrize("procs, parts, name", [(3, 3, "lamb"), (4, 2, "lamb"), (3, 3, "novograd")],
+                         ids=["lamb-pp3", "lamb-pp2xdp2", "novograd-pp3"])
+def test_smp_optimizers_train_like_one_process(procs, parts, name):
     """smp.optimizers.FusedLamb with a clip every step reaches: tied weights across the first
-    and last partitions (their summed gradient counted once) and replicas (counted once)."""
+    and last partitions (their summed gradient counted once) and replicas (counted once).
+    FusedNovoGrad's per-tensor norms need no collective; a tied weight's holders step alike."""
     results = run_world(procs, "smp_pipeline.py", ["tied", "manual", "interleaved", str(parts), "4", "4"],
-                        env={"SMP_TEST_OPTIMIZER": "lamb"}, timeout=120)
+                        env={"SMP_TEST_OPTIMIZER": name}, timeout=120)
     assert_all_ok(results)
     for r in (r.event("trained") for r in results):
         assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r

@@ -200,9 +200,12 @@ def build():
 
 def optimizer(params):
     """SGD with momentum, or with SMP_TEST_OPTIMIZER=lamb smp's FusedLamb, clipping by a norm
-    the gradients exceed (every stage must clip by the whole model's norm)."""
+    the gradients exceed (every stage must clip by the whole model's norm), or =novograd smp's
+    FusedNovoGrad with weight decay."""
     if os.environ.get("SMP_TEST_OPTIMIZER") == "lamb":
         return smp.optimizers.FusedLamb(params, lr=0.05, max_grad_norm=0.05)
+    if os.environ.get("SMP_TEST_OPTIMIZER") == "novograd":
+        return smp.optimizers.FusedNovoGrad(params, lr=0.05, weight_decay=0.01)
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 

@@ -7,7 +7,9 @@ stage would clip by a different factor. Here the norm is taken over every partit
 gradients (a tied weight counted once), and every rank clips by the same factor, as one process
 training the whole model would.
 
-FusedNovoGrad is not built: its name raises an error that says so.
+FusedNovoGrad makes apex FusedNovoGrad's update (same arguments and defaults) in plain torch.
+Its second moment is one norm per tensor, so each rank's update needs only its own partition's
+gradients: no collective, and equal on every holder of a tied weight and every replica.
 """
 from __future__ import annotations
 
@@ -118,8 +120,79 @@ class FusedLamb(torch.optim.Optimizer):
             p.copy_(value - rate * update)
 
 
-def __getattr__(name: str):
-    if name == "FusedNovoGrad":
-        raise AttributeError("smp.optimizers.FusedNovoGrad is not available in this implementation yet; "
-                             "smp.optimizers.FusedLamb and torch.optim's optimizers work with smp.DistributedOptimizer")
-    raise AttributeError(f"module 'smdistributed.modelparallel.torch.optimizers' has no attribute '{name}'")
+class FusedNovoGrad(torch.optim.Optimizer):
+    """NovoGrad (Ginsburg et al., "Stochastic Gradient Methods with Layer-wise Adaptive Moments")
+    as apex FusedNovoGrad makes it. Per tensor, with t the group's step:
+
+    - the second moment is a norm of the whole gradient (L2 for norm_type=2, max |g| for 0),
+      kept as the norm itself: v = sqrt(beta2 v^2 + (1 - beta2) n^2), or for the infinity norm
+      beta2 v + (1 - beta2) n. It starts at the first gradient's norm (the first blend changes
+      nothing), or at 0 with init_zero;
+    - with bias correction, m is divided by 1 - beta1^t and v by sqrt(1 - beta2^t);
+    - the first moment weighs what it takes by 1 - beta1 (grad_averaging), else by 1;
+    - reg_inside_moment=False (apex's default): m takes the gradient, and the parameter moves by
+      lr x (m / (v + eps) + weight_decay x parameter); reg_inside_moment=True (the paper's):
+      m takes g / (v + eps) + weight_decay x parameter, and the parameter moves by lr x m.
+
+    Computed in float32 and stored in the parameter's dtype, as apex does. The per-tensor norm
+    lives in the optimizer's state (apex keeps it in the parameter group), so state_dict() and
+    smp.save carry it."""
+
+    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, reg_inside_moment: bool = False,
+                 grad_averaging: bool = True, norm_type: int = 2, init_zero: bool = False, set_grad_none: bool = True):
+        if amsgrad:
+            raise RuntimeError("smp.optimizers.FusedNovoGrad does not support the AMSGrad variant (nor does apex's)")
+        if norm_type not in (0, 2):
+            raise ValueError(f"smp.optimizers.FusedNovoGrad: norm_type must be 2 (L2) or 0 (infinity), got {norm_type!r}")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
+                        grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)
+        super().__init__(params, defaults)
+        self.reg_inside_moment, self.set_grad_none = reg_inside_moment, set_grad_none
+
+    def zero_grad(self, set_to_none=None):
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            self._update_group(group)
+        return loss
+
+    def _update_group(self, group) -> None:
+        beta1, beta2 = group["betas"]
+        decay, eps, lr, t = group["weight_decay"], group["eps"], group["lr"], group["step"]
+        correction1 = 1 - beta1 ** t if group["bias_correction"] else 1.0
+        correction2 = (1 - beta2 ** t) ** 0.5 if group["bias_correction"] else 1.0
+        weight = (1 - beta1) if group["grad_averaging"] else 1.0
+        l2 = group["norm_type"] == 2
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("smp.optimizers.FusedNovoGrad does not support sparse gradients")
+            g = p.grad.float()
+            n = g.norm() if l2 else g.abs().max()
+            st = self.state[p]
+            if not st:
+                st["exp_avg"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = torch.zeros((), dtype=torch.float32, device=p.device) if group["init_zero"] else n.clone()
+            v = st["exp_avg_sq"].float()  # float32 even where load_state_dict cast it to the parameter's dtype
+            v = (beta2 * v * v + (1 - beta2) * n * n).sqrt() if l2 else beta2 * v + (1 - beta2) * n
+            st["exp_avg_sq"] = v
+            denom = v / correction2 + eps
+            value = p.float()
+            m = st["exp_avg"].float()
+            if self.reg_inside_moment:
+                m.mul_(beta1).add_(g / denom + decay * value, alpha=weight)
+                update = m / correction1
+            else:
+                m.mul_(beta1).add_(g, alpha=weight)
+                update = (m / correction1) / denom + decay * value
+            st["exp_avg"].copy_(m)
+            p.copy_(value - lr * update)

@@ -18,8 +18,14 @@ to the task that ran its forward (a microbatch on the root, a served call on oth
 freed when that task's backward is done (a skip connection can run one backward node twice,
 in two segments, so not at the first backward replay). There are at most as many instances
 of one run as microbatches the schedule keeps in flight ("simple": all of them; "interleaved":
-`active_microbatches`); a run that finds none free runs eagerly. Each instance has a memory
-pool of its own, held for the life of the model: the activations of one microbatch.
+`active_microbatches`); a run that finds none free runs eagerly. Each instance's forward has a
+memory pool of its own, held for the life of the model: the activations of one microbatch.
+Every backward graph of the rank captures into one shared pool instead. A backward's
+temporaries are dead once it ends, and its outputs (the input's and parameters' gradients) are
+consumed right after its replay, on the same stream, before any other backward replays; so
+the backwards can reuse each other's memory, and the rank reserves one backward's temporaries,
+not one per instance. That needs the backward replays to run one after the other: they all
+run on the device's default stream (the stream the compute threads use).
 
 Gradients. The backward graph computes the parameters' gradients into buffers of its own;
 they are added to `.grad` with two multi-tensor kernels after each backward replay (one
@@ -56,7 +62,7 @@ class _Instance:
     """One captured forward/backward pair with its static inputs and outputs."""
 
     def __init__(self, modules: Sequence[nn.Module], x: torch.Tensor, stream: torch.cuda.Stream,
-                 autocast_dtype: Optional[torch.dtype]):
+                 autocast_dtype: Optional[torch.dtype], backward_pool):
         self.busy = False
         run = nn.Sequential(*modules)  # a view of the children for functional_call; owns nothing new
         named = [(n, p) for n, p in run.named_parameters() if p.requires_grad]
@@ -82,10 +88,10 @@ class _Instance:
                 self.static_out = out.detach()
                 self.static_grad_out = torch.empty_like(out)
                 wrt = ([self.static_in] if x.requires_grad else []) + list(aliases.values())
-                # retain_graph: the saved activations stay allocated through the capture, so
-                # no backward temporary takes their memory and a second replay (a skip
-                # connection runs a node's backward twice, in two segments) reads them intact.
-                with _Capture(self.bwd, pool, x.device.index):
+                # retain_graph: the saved activations stay allocated, so a second replay (a
+                # skip connection runs a node's backward twice, in two segments) reads them
+                # intact. The backward's temporaries go to the rank's shared backward pool.
+                with _Capture(self.bwd, backward_pool, x.device.index):
                     grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True,
                                                 retain_graph=True)
                 del out
@@ -202,10 +208,19 @@ class _GraphedRun(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         inst = ctx.inst
-        inst.static_grad_out.copy_(grad_out)
-        inst.bwd.replay()
-        inst.accumulate_param_grads()
-        grad_in = inst.static_grad_in.clone() if inst.static_grad_in is not None else None
+        # The backward graphs share one pool, so their replays and the reads of their outputs
+        # must follow each other on one stream: the default stream, where the compute threads
+        # run (a forward run under another stream would bring its backward there).
+        caller, shared = torch.cuda.current_stream(), torch.cuda.default_stream(grad_out.device)
+        if caller != shared:
+            shared.wait_stream(caller)
+        with torch.cuda.stream(shared):
+            inst.static_grad_out.copy_(grad_out)
+            inst.bwd.replay()
+            inst.accumulate_param_grads()
+            grad_in = inst.static_grad_in.clone() if inst.static_grad_in is not None else None
+        if caller != shared:
+            caller.wait_stream(shared)
         return None, grad_in, None
 
 
@@ -227,6 +242,7 @@ class StageGraphs:
         self._entries: Dict[tuple, _Entry] = {}
         self._refused: Dict[tuple, str] = {}  # run -> why it cannot be graphed
         self._stream: Optional[torch.cuda.Stream] = None
+        self._backward_pool = None  # every backward graph's temporaries (see the module's doc)
         self._tls = threading.local()
 
     def inside_capture(self) -> bool:
@@ -264,6 +280,7 @@ class StageGraphs:
         with self._lock:
             self._entries.clear()
             self._refused.clear()
+            self._backward_pool = None
 
     def release_all(self) -> None:
         with self._lock:
@@ -329,9 +346,11 @@ class StageGraphs:
     def _capture(self, modules, x, autocast_dtype) -> _Instance:
         if self._stream is None:
             self._stream = torch.cuda.Stream(x.device)
+        if self._backward_pool is None:  # made again after clear(), which dropped the old one
+            self._backward_pool = torch.cuda.graph_pool_handle()
         self._tls.depth = getattr(self._tls, "depth", 0) + 1
         try:
-            return _Instance(modules, x, self._stream, autocast_dtype)
+            return _Instance(modules, x, self._stream, autocast_dtype, self._backward_pool)
         finally:
             self._tls.depth -= 1
 

@@ -144,7 +144,8 @@ class FusedNovoGrad(torch.optim.Optimizer):
         if amsgrad:
             raise RuntimeError("smp.optimizers.FusedNovoGrad does not support the AMSGrad variant (nor does apex's)")
         if norm_type not in (0, 2):
-            raise ValueError(f"smp.optimizers.FusedNovoGrad: norm_type must be 2 (L2) or 0 (infinity), got {norm_type!r}")
+            raise ValueError("smp.optimizers.FusedNovoGrad: norm_type must be 2 (L2) or 0 (infinity), "
+                             f"got {norm_type!r}")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, norm_type=norm_type, init_zero=init_zero)
         super().__init__(params, defaults)
@@ -181,7 +182,7 @@ class FusedNovoGrad(torch.optim.Optimizer):
             st = self.state[p]
             if not st:
                 st["exp_avg"] = torch.zeros_like(p)
-                st["exp_avg_sq"] = torch.zeros((), dtype=torch.float32, device=p.device) if group["init_zero"] else n.clone()
+                st["exp_avg_sq"] = torch.zeros_like(n) if group["init_zero"] else n.clone()
             v = st["exp_avg_sq"].float()  # float32 even where load_state_dict cast it to the parameter's dtype
             v = (beta2 * v * v + (1 - beta2) * n * n).sqrt() if l2 else beta2 * v + (1 - beta2) * n
             st["exp_avg_sq"] = v

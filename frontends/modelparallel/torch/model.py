@@ -15,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 from . import grad_sync, partial_state
 from .state_merge import everyone_has_own_part, merge_over_pipeline
 from .activation_checkpointing import checkpointed
+from .blas_workspaces import free_blas_workspaces
 from .nested import is_mapping, mapping_like
 from .optimizer import follow_parameters
 from .partition import auto_assignment, describe, manual_assignment
@@ -33,18 +34,6 @@ def _to(obj, dev):
     if is_mapping(obj):
         return mapping_like(obj, ((k, _to(v, dev)) for k, v in obj.items()))
     return obj
-
-
-def _free_blas_workspaces() -> None:
-    """The trace ran the whole model on this thread, which gave it cuBLAS and cuBLASLt
-    workspaces (32 MiB each on Hopper) that torch keeps while the thread lives; the pipeline
-    computes on its own threads, so they only add to every stage's peak (2 of the 6 workspace
-    blocks the first stage of the pipeline benchmark's model held on an H200). Freed here, as
-    torch frees them before a CUDA graph capture (stream ordered); a thread that multiplies
-    matrices later gets a new one."""
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
 
 
 def _compare_keys(expected: set, sd: Dict[str, Any], strict: bool) -> _IncompatibleKeys:
@@ -323,7 +312,7 @@ class DistributedModel(nn.Module):
                     else:  # the forward replaced it
                         m._buffers[name] = before.to(now.device if now is not None else "cpu")
         if trace_dev.type == "cuda":
-            _free_blas_workspaces()
+            free_blas_workspaces()  # the trace ran the whole model on this thread; the stages compute on others
         assignment = auto_assignment(self.module, tracer.trace, state.topo.pp_size, cfg.memory_weight)
         # Rank 0 decides: measured times differ between ranks, and so do activation sizes
         # when replicas' first batches differ in shape (dynamic padding).

@@ -33,6 +33,7 @@ import torch
 
 from smdistributed.common import config
 
+from .blas_workspaces import free_blas_workspaces
 from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
 from .stage_graphs import StageGraphs
 from .wire import Links, Message, QuietLink, encode, take
@@ -159,11 +160,18 @@ class PipelineRuntime:
         self._reset()
 
     # -- step --------------------------------------------------------------------------------
+    def _free_blas_workspaces(self) -> None:
+        """Each thread's cuBLAS workspaces go when it lets go of the token (blas_workspaces.py).
+        Not with stage graphs: their steps are bound by the host, and their pools hold far more."""
+        if not self.graphs.enabled:
+            free_blas_workspaces()
+
     def _reset(self) -> None:
         self._lock = threading.Lock()
         self._error: Optional[BaseException] = None
         self._abort_sent = False
-        self._token = ComputeToken(self.aborted, self.timeline if self.timeline.enabled else None)
+        self._token = ComputeToken(self.aborted, self.timeline if self.timeline.enabled else None,
+                                   self._free_blas_workspaces if self.device.type == "cuda" else None)
         self._waiters: Dict[Any, Waiter] = {}
         self._frames: Dict[CallId, ServedFrame] = {}
         self._served_mbs: set = set()  # microbatches with a frame served here this step

@@ -48,8 +48,10 @@ class ComputeToken:
     now whatever the number waiting.)
     """
 
-    def __init__(self, aborted: Callable[[], Optional[BaseException]], timeline=None):
+    def __init__(self, aborted: Callable[[], Optional[BaseException]], timeline=None,
+                 on_release: Optional[Callable[[], None]] = None):
         self._timeline = timeline
+        self._on_release = on_release  # run by the holder before it lets go (while nobody else computes)
         self._since = 0.0
         self._label = ""
         self._lock = threading.Lock()
@@ -139,6 +141,8 @@ class ComputeToken:
             return (bool(self._queue) and self._queue[0][0] < prio) or self._older_expected(prio)
 
     def release(self) -> None:
+        if self._on_release is not None and self._holder == threading.get_ident():
+            self._on_release()
         with self._lock:
             if self._holder == threading.get_ident():
                 if self._timeline is not None:

@@ -415,6 +415,21 @@ def test_fused_novograd_makes_apexs_update(options):
         smp.optimizers.FusedNovoGrad(params, amsgrad=True)
 
 
+def test_the_compute_tokens_release_hook_runs_on_the_holder_before_anyone_else_computes():
+    """The hook that frees a thread's cuBLAS workspaces on GPUs runs while the releasing thread
+    still holds the token (so no other thread is mid-product), once per release by the
+    holder, and never for a thread that does not hold it."""
+    seen = []
+    token = ComputeToken(lambda: None, on_release=lambda: seen.append(token._holder == threading.get_ident()))
+    token.acquire((0, 0))
+    order, threads = _holders(token, [("mb1", (1, 0))])
+    token.release()
+    threads[0].join(5)
+    assert order == ["mb1"] and seen == [True, True], (order, seen)
+    token.release()  # not the holder: nothing happens
+    assert seen == [True, True]
+
+
 def test_the_compute_token_waits_for_an_expected_older_task_then_gives_up_on_it():
     token = ComputeToken(lambda: None)
     # The holder hands a value to microbatch 0's thread, which is still waking up, and goes on

@@ -100,6 +100,12 @@ const std::vector<ConfigVar>& config_table() {
        "shape, and replayed for later microbatches of that shape, one graph pair per microbatch "
        "in flight (the host issues two launches instead of hundreds). Results equal the eager "
        "run's as long as the children's Python code takes the same path every call. 0: eager"},
+      {"SMDDP_SMP_FREE_BLAS_WORKSPACES", "1",
+       "smp pipelines on CUDA, eager steps: 1: a thread that gives the compute token back frees "
+       "torch's cuBLAS and cuBLASLt workspaces (32 MiB each on Hopper, kept per thread), so a stage "
+       "holds only its computing thread's and its peak matches torch's 1F1B. torch frees every "
+       "thread's at once: set 0 if threads outside smp run matrix products on the default stream "
+       "during smp.step"},
       {"SMDDP_CONSISTENCY_CHECK", "1",
        "1: once per training loop (the second gradient reduction of each TensorFlow tape or "
        "optimizer, and after the second batch of model.fit with the broadcast callback) the ranks "

@@ -403,12 +403,30 @@ def test_fused_novograd_makes_apexs_update(options):
             prm.grad = gr.clone()
         o.step()
     assert all(torch.equal(a, b) for a, b in zip(params, again))
+    # bfloat16: computed in float32, stored in bf16 (a learning rate whose steps bf16 can see).
     bf16 = nn.Parameter(values[0].bfloat16())
     bf16.grad = grads[0][0].bfloat16()
-    smp.optimizers.FusedNovoGrad([bf16], lr=0.05).step()
-    want = _novograd_by_hand([values[0].bfloat16()], [[grads[0][0].bfloat16()]], [0.0], 0.05, (0.9, 0.999), 1e-8,
+    smp.optimizers.FusedNovoGrad([bf16], lr=20.0).step()
+    start = values[0].bfloat16().double()
+    want = _novograd_by_hand([start], [[grads[0][0].bfloat16()]], [0.0], 20.0, (0.9, 0.999), 1e-8,
                              False, True, 2, False, True)[0]
-    assert bf16.dtype == torch.bfloat16 and torch.allclose(bf16.double(), want, rtol=1e-2, atol=1e-2)
+    assert (want - start).abs().mean() > 10 * 2 ** -8 * start.abs().mean()  # the step is well above rounding
+    assert bf16.dtype == torch.bfloat16 and torch.allclose(bf16.double(), want, rtol=2 ** -8, atol=1e-6)
+    # A reload keeps a bf16 parameter's norm in float32 (torch casts state to the parameter's dtype).
+    pair = [nn.Parameter(values[1].bfloat16()) for _ in range(2)]
+    first = smp.optimizers.FusedNovoGrad([pair[0]], lr=5.0)
+    for gr in grads[:2]:
+        pair[0].grad = gr[1].bfloat16()
+        first.step()
+    pair[1].data.copy_(pair[0].data)
+    second = smp.optimizers.FusedNovoGrad([pair[1]], lr=5.0)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    assert second.state[pair[1]]["exp_avg_sq"].dtype == torch.float32
+    assert torch.equal(second.state[pair[1]]["exp_avg_sq"], first.state[pair[0]]["exp_avg_sq"])
+    for o, prm in ((first, pair[0]), (second, pair[1])):
+        prm.grad = grads[2][1].bfloat16()
+        o.step()
+    assert torch.equal(pair[0], pair[1])
     with pytest.raises(ValueError, match="norm_type must be 2"):
         smp.optimizers.FusedNovoGrad(params, norm_type=1)
     with pytest.raises(RuntimeError, match="AMSGrad"):

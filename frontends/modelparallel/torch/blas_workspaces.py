@@ -11,6 +11,10 @@ back leaves only the computing thread's: the next thread's first product allocat
 from the blocks just freed. Every stage computes on the device's default stream, so a freed
 workspace that a queued kernel still uses is only reused by work queued after it (the
 caching allocator's stream order), as when torch frees them itself before a graph capture.
+
+torch's call frees every thread's workspaces, not only smp's: a thread outside smp that runs a
+matrix product on the default stream during smp.step could lose its workspace between setting
+it and launching the product. SMDDP_SMP_FREE_BLAS_WORKSPACES=0 keeps them for such programs.
 """
 from __future__ import annotations
 

@@ -154,6 +154,19 @@ class FusedNovoGrad(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=None):
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
+    def load_state_dict(self, state_dict) -> None:
+        """torch casts every tensor of a parameter's state to the parameter's dtype; the norms
+        are put back in float32 from the saved values (in bf16 a norm keeps 3 digits, in fp16
+        one above 65504 becomes inf and its tensor would never move again)."""
+        norms = {i: st["exp_avg_sq"] for i, st in state_dict["state"].items() if "exp_avg_sq" in st}
+        super().load_state_dict(state_dict)
+        # torch pairs the saved ids with this optimizer's parameters in group order.
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for i, p in zip(saved_ids, params):
+            if i in norms:
+                self.state[p]["exp_avg_sq"] = torch.as_tensor(norms[i]).to(device=p.device, dtype=torch.float32)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -180,10 +193,11 @@ class FusedNovoGrad(torch.optim.Optimizer):
             g = p.grad.float()
             n = g.norm() if l2 else g.abs().max()
             st = self.state[p]
-            if not st:
+            if "exp_avg" not in st:
                 st["exp_avg"] = torch.zeros_like(p)
+            if "exp_avg_sq" not in st:  # also a state saved by apex's, which keeps the norms in the group
                 st["exp_avg_sq"] = torch.zeros_like(n) if group["init_zero"] else n.clone()
-            v = st["exp_avg_sq"].float()  # float32 even where load_state_dict cast it to the parameter's dtype
+            v = st["exp_avg_sq"].float()
             v = (beta2 * v * v + (1 - beta2) * n * n).sqrt() if l2 else beta2 * v + (1 - beta2) * n
             st["exp_avg_sq"] = v
             denom = v / correction2 + eps

@@ -162,16 +162,18 @@ class PipelineRuntime:
     # -- step --------------------------------------------------------------------------------
     def _free_blas_workspaces(self) -> None:
         """Each thread's cuBLAS workspaces go when it lets go of the token (blas_workspaces.py).
-        Not with stage graphs: their steps are bound by the host, and their pools hold far more."""
-        if not self.graphs.enabled:
+        Not while stage graphs exist (enabled or not): a captured graph may use a workspace made
+        before its capture, and its replays would write memory given to others."""
+        if not self.graphs.enabled and not self.graphs.captured():
             free_blas_workspaces()
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
         self._error: Optional[BaseException] = None
         self._abort_sent = False
+        free = self.device.type == "cuda" and config.value("SMDDP_SMP_FREE_BLAS_WORKSPACES") == "1"
         self._token = ComputeToken(self.aborted, self.timeline if self.timeline.enabled else None,
-                                   self._free_blas_workspaces if self.device.type == "cuda" else None)
+                                   self._free_blas_workspaces if free else None)
         self._waiters: Dict[Any, Waiter] = {}
         self._frames: Dict[CallId, ServedFrame] = {}
         self._served_mbs: set = set()  # microbatches with a frame served here this step

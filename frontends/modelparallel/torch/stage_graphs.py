@@ -221,6 +221,8 @@ class _GraphedRun(torch.autograd.Function):
             grad_in = inst.static_grad_in.clone() if inst.static_grad_in is not None else None
         if caller != shared:
             caller.wait_stream(shared)
+            if grad_in is not None:  # made on the default stream, used on the caller's
+                grad_in.record_stream(caller)
         return None, grad_in, None
 
 
@@ -281,6 +283,11 @@ class StageGraphs:
             self._entries.clear()
             self._refused.clear()
             self._backward_pool = None
+
+    def captured(self) -> bool:
+        """Whether any captured instance exists."""
+        with self._lock:
+            return any(entry.instances for entry in self._entries.values())
 
     def release_all(self) -> None:
         with self._lock:
@@ -346,7 +353,10 @@ class StageGraphs:
     def _capture(self, modules, x, autocast_dtype) -> _Instance:
         if self._stream is None:
             self._stream = torch.cuda.Stream(x.device)
-        if self._backward_pool is None:  # made again after clear(), which dropped the old one
+        # A new pool once no graph uses the old one (after clear(), or after a run's instances
+        # were dropped because its modules changed): torch frees a pool whose graphs are all
+        # gone, and a capture into its handle would then fail.
+        if self._backward_pool is None or not self.captured():
             self._backward_pool = torch.cuda.graph_pool_handle()
         self._tls.depth = getattr(self._tls, "depth", 0) + 1
         try:

@@ -39,7 +39,24 @@ def _gradient_norm_over_partitions(params: List[torch.nn.Parameter], counted_els
     return squares.reshape(()).sqrt()
 
 
-class FusedLamb(torch.optim.Optimizer):
+class _ApexStyleOptimizer(torch.optim.Optimizer):
+    """What apex's fused optimizers share: zero_grad() follows `set_grad_none`, and step()
+    evaluates an optional closure with gradients on before updating without them."""
+
+    set_grad_none = True
+
+    def zero_grad(self, set_to_none=None):
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    @staticmethod
+    def _closure_loss(closure):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+
+class FusedLamb(_ApexStyleOptimizer):
     """LAMB (You et al., "Large Batch Optimization for Deep Learning") as apex FusedLAMB makes it:
 
     - the gradients are divided by max(norm / max_grad_norm, 1), the norm taken over every
@@ -64,15 +81,9 @@ class FusedLamb(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.adam_w_mode, self.set_grad_none, self.use_nvlamb = adam_w_mode, set_grad_none, use_nvlamb
 
-    def zero_grad(self, set_to_none=None):
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
-
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
         for p in params:
             if p.grad.is_sparse:
@@ -120,7 +131,7 @@ class FusedLamb(torch.optim.Optimizer):
             p.copy_(value - rate * update)
 
 
-class FusedNovoGrad(torch.optim.Optimizer):
+class FusedNovoGrad(_ApexStyleOptimizer):
     """NovoGrad (Ginsburg et al., "Stochastic Gradient Methods with Layer-wise Adaptive Moments")
     as apex FusedNovoGrad makes it. Per tensor, with t the group's step:
 
@@ -151,9 +162,6 @@ class FusedNovoGrad(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.reg_inside_moment, self.set_grad_none = reg_inside_moment, set_grad_none
 
-    def zero_grad(self, set_to_none=None):
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
-
     def load_state_dict(self, state_dict) -> None:
         """torch casts every tensor of a parameter's state to the parameter's dtype; the norms
         are put back in float32 from the saved values (in bf16 a norm keeps 3 digits, in fp16
@@ -169,10 +177,7 @@ class FusedNovoGrad(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         for group in self.param_groups:
             group["step"] = group.get("step", 0) + 1
             self._update_group(group)

@@ -155,6 +155,8 @@ class PipelineRuntime:
         if self.timeline.enabled:
             links.timeline = self.timeline
         self.graphs = StageGraphs(config.value("SMDDP_SMP_CUDA_GRAPHS") == "1" and device.type == "cuda")
+        self._frees_blas_workspaces = (device.type == "cuda"
+                                       and config.value("SMDDP_SMP_FREE_BLAS_WORKSPACES") == "1")
         self.local_module_ids: set = set()  # id() of every module this rank owns (set by the model)
         self._graphable_runs: Dict[tuple, List[torch.nn.Module]] = {}  # run -> its modules ([]: not local)
         self._reset()
@@ -171,9 +173,8 @@ class PipelineRuntime:
         self._lock = threading.Lock()
         self._error: Optional[BaseException] = None
         self._abort_sent = False
-        free = self.device.type == "cuda" and config.value("SMDDP_SMP_FREE_BLAS_WORKSPACES") == "1"
         self._token = ComputeToken(self.aborted, self.timeline if self.timeline.enabled else None,
-                                   self._free_blas_workspaces if free else None)
+                                   self._free_blas_workspaces if self._frees_blas_workspaces else None)
         self._waiters: Dict[Any, Waiter] = {}
         self._frames: Dict[CallId, ServedFrame] = {}
         self._served_mbs: set = set()  # microbatches with a frame served here this step

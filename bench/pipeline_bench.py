@@ -18,7 +18,9 @@ batch 64 x 256, loss = mean square of the output, SGD; split 8 + 8 (the anchor's
 Prints one 'RESULT {json}' line on rank 0: step time, samples/s, speedup over one device
 (ideal P*m/(m+P-1)), idle fraction 1 - speedup/P (bubble plus overheads), peak memory per rank.
 
-Peak memory: on GPUs, torch's max_memory_allocated over the timed steps. On CPUs (`--memory`),
+Peak memory: on GPUs, torch's max_memory_allocated over the warm-up and timed steps
+(peak_gb; the warm-up holds the stage graphs' captures) and over the timed steps alone
+(steady_peak_gb). On CPUs (`--memory`),
 the most a step adds to the process's resident memory (sampled every 0.5 ms over two extra,
 untimed steps, from just before the step): activations, gradients and transfers. Run it with
 MALLOC_MMAP_THRESHOLD_=131072 so that freed tensors go back to the system (glibc otherwise
@@ -87,13 +89,23 @@ def peak_reset():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         held_before[0] = torch.cuda.memory_allocated() / 2**30
+        warmup_peaks[:] = [0.0, 0.0]
 
 
 held_before = [0.0]  # GB allocated when the configuration started: its model, inputs, leftovers
+warmup_peaks = [0.0, 0.0]  # GB allocated / reserved at most in the warm-up steps (captures happen there)
 
 
 def peak_gb():
-    return torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
+    """The most allocated over the warm-up and timed steps."""
+    return max(warmup_peaks[0], torch.cuda.max_memory_allocated() / 2**30) if args.device == "cuda" else 0.0
+
+
+def end_warmup_peaks():
+    """Keeps the warm-up's peaks and starts the timed steps' own (the steady state's)."""
+    if args.device == "cuda":
+        warmup_peaks[:] = [torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30]
+        torch.cuda.reset_peak_memory_stats()
 
 
 def rss_bytes():
@@ -128,6 +140,7 @@ def timed(step, rank_sync):
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             sync()
+            end_warmup_peaks()
             rank_sync()
             t0 = time.perf_counter()
         step()
@@ -188,12 +201,14 @@ def main():
 
     def record(name, t, m, peaks, replicas=args.dp, extra=None):
         """m: microbatches (None: no pipeline); replicas: batches of B samples per step."""
-        peaks, held, reserved = peaks
+        peaks, held, reserved, steady, steady_reserved = peaks
         entry = dict(step_ms=t * 1e3, samples_s=replicas * B / t, peak_gb=peaks, **(extra or {}))
         if args.device == "cuda":
             entry["held_before_gb"] = held
             # Reserved counts what graph pools hold between replays (allocated does not).
             entry["peak_reserved_gb"] = reserved
+            # The timed steps alone: without the warm-up's eager runs and graph captures.
+            entry["steady_peak_gb"], entry["steady_reserved_gb"] = steady, steady_reserved
         if single:
             speedup = replicas * single / t
             ideal = replicas * (pp * m / (m + pp - 1) if m else 1)
@@ -206,11 +221,16 @@ def main():
         value = peak_gb()
         if args.device == "cpu" and args.memory and step is not None:
             value = step_rss_peak_gb(step, barrier)
-        reserved = torch.cuda.max_memory_reserved() / 2**30 if args.device == "cuda" else 0.0
-        t = torch.tensor([value, held_before[0], reserved], device=dev if args.device == "cuda" else "cpu")
+        steady = [0.0, 0.0]
+        reserved = 0.0
+        if args.device == "cuda":
+            steady = [torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30]
+            reserved = max(warmup_peaks[1], steady[1])
+        t = torch.tensor([value, held_before[0], reserved] + steady, device=dev if args.device == "cuda" else "cpu")
         ts = [torch.zeros_like(t) for _ in range(world)]
         dist.all_gather(ts, t, group=peer_group)
-        return tuple([v[i].item() for v in ts] for i in range(3))  # peak, held before, reserved peak
+        # peak, held before, reserved peak, and the timed steps' own allocated and reserved peaks
+        return tuple([v[i].item() for v in ts] for i in range(5))
 
     def whole_model_step(wrap=lambda m: m):
         """A training step of the whole model (wrapped, for DDP), its memory peak reset."""
@@ -296,8 +316,8 @@ def main():
                         opt.step()
 
                     before = dict(model._runtime.graphs.counters) if model._runtime is not None else {}
-                    t = timed(step, barrier)
                     name = f"smp_{pipeline}_m{m}" + (f"_a{active}" if active else "") + suffix
+                    t = timed(step, barrier)
                     extra = None
                     if suffix == "_graphs":  # each rank's replays and captures in this configuration, as evidence
                         mine = {k: v - before.get(k, 0) for k, v in model._runtime.graphs.counters.items()}

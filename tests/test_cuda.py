@@ -290,12 +290,17 @@ def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipelin
         assert report["losses"] == reports[0]["losses"], "ranks disagree on the loss"
         limit = 4  # "simple": every microbatch in flight; "interleaved": active_microbatches, 2 + 2
         assert report["graphs"]["captures"] <= limit * 2, report["graphs"]  # at most 2 runs a rank here
+        # Every instance of a run writes its parameters' gradients into the run's one buffer set.
+        layout = report["graph_layout"]
+        assert layout["grad_buffer_sets"] == layout["runs"] <= layout["instances"], layout
         assert set(report["link_ctas"].values()) == {1}, report["link_ctas"]
     replays = [r["graphs"]["replays"] for r in reports]
     # The skip model's only Sequential is on rank 1, the resid model's on rank 0; the others
     # have one on each rank.
     expected = {"skip": [False, True], "resid": [True, False]}.get(model, [True, True])
     assert [n > 0 for n in replays] == expected, [r["graphs"] for r in reports]
+    if pipeline == "simple":  # 4 microbatches in flight: several instances share one buffer set
+        assert max(r["graph_layout"]["instances"] - r["graph_layout"]["runs"] for r in reports) > 0, reports
 
 
 @needs_two_gpus

@@ -514,7 +514,9 @@ def test_the_schedules_run_forwards_and_backwards_in_their_documented_order(pipe
     """From each rank's timeline (the spans in which a task holds the compute token), one step
     of 6 microbatches: "simple" runs every forward before any backward; "interleaved" with
     active_microbatches 2 never has more than 2 microbatches between their first forward and
-    their last backward, so backwards run between forwards."""
+    their last backward, so backwards run between forwards; and the last stage goes from a
+    microbatch's loss into its backward without running another's forward between (which held
+    that forward's activations at the stage's peak)."""
     prefix = tmp_path / "tl"
     results = run_world(2, "smp_pipeline.py", ["seq", "auto", pipeline, "2", "6", "1", "2"], timeout=120,
                         env={"SMDDP_TIMELINE": str(prefix)})
@@ -536,6 +538,11 @@ def test_the_schedules_run_forwards_and_backwards_in_their_documented_order(pipe
         for t, _ in live.values():  # at each microbatch's start, who is in flight
             assert sum(1 for a, b in live.values() if a <= t < b) <= 2, (rank, live)
         assert min(s for s, _, _ in bwd) < max(s for s, _, _ in fwd), spans
+        if rank == 1:  # the last stage: each backward starts from its loss with no other work between
+            for mb in range(6):
+                first = min(i for i, (_, _, kind, phase, m) in enumerate(spans)
+                            if (kind, phase, m) == ("step", "bwd", f"mb{mb}"))
+                assert spans[first - 1][2:] == ("step", "fwd", f"mb{mb}"), (mb, spans[first - 2:first + 1])
 
 
 def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):

@@ -314,8 +314,8 @@ def main():
            loss_rel_err=loss_err, keys_match=sorted(full) == sorted(ref_sd), local=local, losses=losses,
            output_backwards=model._runtime.output_backwards, chained_hops=model._runtime.chained_hops,
            loss_graphs=sum(loss_graphs), kept_after_steps=step_tensors_alive(),
-           forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters), others_on=others_on,
-           link_ctas=link_ctas())
+           forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters),
+           graph_layout=model._runtime.graphs.layout(), others_on=others_on, link_ctas=link_ctas())
 
 
 def link_ctas():

@@ -409,16 +409,25 @@ class PipelineRuntime:
         if self.pp_rank != self.root_owner and produced is None:
             return  # this rank's copy of the outputs has no graph: its part runs when asked
         task.phase = BACKWARD
-        self._token.release()
-        try:
-            if self.pipeline == "simple":
+        if self.pipeline == "simple":
+            self._token.release()
+            try:
                 with self._flow:  # all forwards before any backward
                     while self._at_backward < self.num_microbatches:
                         if self._error is not None:
                             raise self._error
                         self._flow.wait(0.5)
-        finally:
-            self._token.acquire(self._prio(task), self._label(task))
+            finally:
+                self._token.acquire(self._prio(task), self._label(task))
+        else:
+            # "interleaved": this backward goes on at once unless older work waits. Handing the
+            # token over here let a later microbatch's forward run a layer before it (measured
+            # on 2 x H200: on the last stage, that layer's activations at the peak, 120 MB at
+            # m = 4, and the backward the first stage waits on started a layer later).
+            self._token.relabel(self._label(task))
+            if self._token.older_work_waits(self._prio(task)):
+                self._token.release()
+                self._token.acquire(self._prio(task), self._label(task))
         seeds, seed_grads = self._seeds(tensors, grads)
         if produced is not None:
             self._backward_from_output(produced[0], seeds, seed_grads)

@@ -135,6 +135,16 @@ class ComputeToken:
         else:
             self._holder = None
 
+    def relabel(self, label: str) -> None:
+        """The holder goes on with other work (a microbatch's backward after its forward): the
+        timeline closes the interval so far and opens one under the new label."""
+        with self._lock:
+            if self._holder == threading.get_ident():
+                now = time.perf_counter()
+                if self._timeline is not None:
+                    self._timeline.add(self._label, "compute", self._since, now)
+                self._since, self._label = now, label
+
     def older_work_waits(self, prio) -> bool:
         """Whether a task of smaller priority (older work) waits for the token."""
         with self._lock:

@@ -18,6 +18,8 @@ microbatches at once, holding the activations of only that many. (Forward work f
 the first backward: on 2 CPU processes at 4 microbatches the stages ran F0 F1 F2 F3 B0 B1 B2
 B3, a GPipe schedule; oldest-first runs F0 F1 B0 F2 B1 ...) A plain backward-first order,
 tried before either, left the last stage's next forward behind every backward it had queued.
+A task that goes from its forward into its backward keeps the token unless older work waits
+(runtime.model_backward): handing it over let a queued later forward run a layer first.
 """
 from __future__ import annotations
 

@@ -37,11 +37,14 @@ def main(out: str, paths: list[str]) -> None:
     left.legend(loc="lower right")
     if all("peak_reserved_gb" in e for e in entries):
         # Reserved includes what CUDA graph pools hold between replays, which allocated omits.
-        right.barh(labels, [max(e["peak_reserved_gb"]) for e in entries], color=colors, alpha=0.35,
-                   label="reserved")
+        right.barh(labels, [max(e["peak_reserved_gb"]) for e in entries], color=colors, alpha=0.2,
+                   label="reserved (warm-up and captures included)")
+    if all("steady_reserved_gb" in e for e in entries):
+        right.barh(labels, [max(e["steady_reserved_gb"]) for e in entries], color=colors, alpha=0.45,
+                   label="reserved (timed steps)")
     right.barh(labels, [max(e["peak_gb"]) for e in entries], color=colors, label="allocated")
     if all("peak_reserved_gb" in e for e in entries):
-        right.legend(loc="lower right")
+        right.legend(loc="center right")
     right.set_xlabel("peak GPU memory of the busiest rank (GB)")
     left.invert_yaxis()
     for ax in (left, right):

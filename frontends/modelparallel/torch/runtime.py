@@ -248,6 +248,8 @@ class PipelineRuntime:
             raise
         finally:
             self.graphs.release_all()  # frames that never had a backward (evaluation, a failure)
+        if self._error is None:
+            self.graphs.after_step()
         if self._error is not None:
             self._broken = str(self._error)
             if isinstance(self._error, StepFailed):
@@ -424,10 +426,11 @@ class PipelineRuntime:
             # token over here let a later microbatch's forward run a layer before it (measured
             # on 2 x H200: on the last stage, that layer's activations at the peak, 120 MB at
             # m = 4, and the backward the first stage waits on started a layer later).
-            self._token.relabel(self._label(task))
             if self._token.older_work_waits(self._prio(task)):
                 self._token.release()
                 self._token.acquire(self._prio(task), self._label(task))
+            else:
+                self._token.relabel(self._label(task))
         seeds, seed_grads = self._seeds(tensors, grads)
         if produced is not None:
             self._backward_from_output(produced[0], seeds, seed_grads)

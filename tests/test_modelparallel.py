@@ -509,6 +509,13 @@ def test_a_root_on_the_last_partition_and_nested_partition_contexts_train_like_o
         assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
 
 
+def _compute_spans(prefix, rank):
+    """(start, end, kind, phase, "mbN") of each span in which a task held the compute token."""
+    events = json.loads(Path(f"{prefix}.smp.rank{rank}.json").read_text())["traceEvents"]
+    return sorted((e["ts"], e["ts"] + e["dur"], *e["name"].split())
+                  for e in events if e["cat"] == "compute" and e["name"])
+
+
 @pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
 def test_the_schedules_run_forwards_and_backwards_in_their_documented_order(pipeline, tmp_path):
     """From each rank's timeline (the spans in which a task holds the compute token), one step
@@ -522,9 +529,7 @@ def test_the_schedules_run_forwards_and_backwards_in_their_documented_order(pipe
                         env={"SMDDP_TIMELINE": str(prefix)})
     assert_all_ok(results)
     for rank in range(2):
-        events = json.loads(Path(f"{prefix}.smp.rank{rank}.json").read_text())["traceEvents"]
-        spans = sorted((e["ts"], e["ts"] + e["dur"], *e["name"].split()) for e in events
-                       if e["cat"] == "compute" and e["name"])
+        spans = _compute_spans(prefix, rank)
         # A non-root rank starts every microbatch's step function at once, to wait there for
         # the root's output: its work on a microbatch starts when it serves the root's call.
         starts = "serve" if any(kind == "serve" for _, _, kind, _, _ in spans) else "step"
@@ -546,6 +551,35 @@ def test_the_schedules_run_forwards_and_backwards_in_their_documented_order(pipe
                            if (kind, phase, m) == ("step", "fwd", f"mb{mb}"))
                 between = [sp for sp in spans[loss + 1:first] if int(sp[4][2:]) > mb]
                 assert not between, (mb, spans[loss:first + 1])
+
+
+@pytest.mark.parametrize("env, last_window", [({}, 1), ({"SMDDP_SMP_OUTPUT_BACKWARD": "0"}, 2)],
+                         ids=["last-stage-loss", "root-loss"])
+def test_each_stage_holds_no_more_microbatches_than_1f1b(env, last_window, tmp_path):
+    """pp=4, 8 microbatches, 4 active: stage k (k > 0) holds at most 4 - k microbatches
+    between a microbatch's forward there and the end of its backward there, as torch's 1F1B
+    does (one more on the last stage when the root computes the loss), where every stage
+    could otherwise hold all 4 the root admits; and the pipeline trains as one process."""
+    prefix = tmp_path / "tl"
+    results = run_world(4, "smp_pipeline.py", ["seq", "auto", "interleaved", "4", "8", "2", "4"], timeout=120,
+                        env={"SMDDP_TIMELINE": str(prefix), **env})
+    assert_all_ok(results)
+    for r in (r.event("trained") for r in results):
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+        assert r["kept_after_steps"] == [], r["kept_after_steps"]
+    for rank in range(1, 4):
+        window = 4 - rank if rank < 3 else last_window
+        held = []  # [mb, its forward's start here, its backward's end here]
+        current = {}
+        for start, end, kind, phase, mb in _compute_spans(prefix, rank):
+            if kind == "serve" and phase == "fwd" and (mb not in current or current[mb][2] is not None):
+                current[mb] = [mb, start, None]  # a new step's forward of this microbatch
+                held.append(current[mb])
+            elif phase == "bwd" and current[mb][2] is None:  # its backward (the step function goes on later)
+                current[mb][2] = end
+        assert len(held) == 2 * 8 and all(end is not None for _, _, end in held), (rank, held)
+        most = max(sum(1 for _, a, b in held if a <= t < b) for _, t, _ in held)
+        assert most <= window, (rank, most, held)
 
 
 def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline):

@@ -348,6 +348,7 @@ class DistributedModel(nn.Module):
                                   local_device())
         runtime.root = self.module
         runtime.root_owner = assignment[""]
+        runtime.window = self._stage_window(assignment, me, topo.pp_size, runtime.output_backward)
         runtime.local_module_ids = {id(m) for path, m in self.module.named_modules() if assignment[path] == me}
         for path, m in self.module.named_modules():
             runtime.modules[path] = m
@@ -364,6 +365,23 @@ class DistributedModel(nn.Module):
                 # module's parameters (pruning's, weight norm's) would read stale copies.
                 m._call_impl = m.forward
         self._runtime = runtime
+
+    def _stage_window(self, assignment: Dict[str, int], me: int, pp_size: int, output_backward: bool):
+        """How many microbatches this rank's stage holds at once under "interleaved", as 1F1B's
+        stage k does (p - k), when the root is a plain Sequential whose children pass through
+        the partitions once each in rank order, so that rank k is stage k. One more on the
+        last stage when the root, not the last stage, computes the loss (it answers a round
+        trip later). None (no bound but the root's active_microbatches) for other layouts:
+        there a rank's place in the pipeline is not its rank."""
+        root = self.module
+        if me == 0 or assignment[""] != 0 or not (isinstance(root, nn.Sequential)
+                                                 and type(root).forward is nn.Sequential.forward):
+            return None
+        owners = [assignment[name] for name, _ in root.named_children()]
+        order = [o for i, o in enumerate(owners) if i == 0 or owners[i - 1] != o]
+        if order != list(range(pp_size)):
+            return None
+        return pp_size - me + (0 if output_backward or me < pp_size - 1 else 1)
 
     @staticmethod
     def _dispatching_forward(runtime: PipelineRuntime, module: nn.Module, path: str, owner: int, original,

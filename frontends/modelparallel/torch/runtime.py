@@ -158,6 +158,10 @@ class PipelineRuntime:
         self._frees_blas_workspaces = (device.type == "cuda"
                                        and config.value("SMDDP_SMP_FREE_BLAS_WORKSPACES") == "1")
         self.local_module_ids: set = set()  # id() of every module this rank owns (set by the model)
+        # Microbatches this stage may hold at once under "interleaved" (None: no bound beyond
+        # the root's active_microbatches). Set by the model when the root is a chain of stages in
+        # rank order (see _enter_window).
+        self.window: Optional[int] = None
         self._graphable_runs: Dict[tuple, List[torch.nn.Module]] = {}  # run -> its modules ([]: not local)
         self._reset()
 
@@ -178,6 +182,8 @@ class PipelineRuntime:
         self._waiters: Dict[Any, Waiter] = {}
         self._frames: Dict[CallId, ServedFrame] = {}
         self._served_mbs: set = set()  # microbatches with a frame served here this step
+        self._window_live: Dict[int, int] = {}  # mb -> its frames here and its forwards being served
+        self._window_waiting: set = set()  # microbatches whose forward waits for the window
         self._ids = itertools.count()
         self._threads: List[TaskHandle] = []
         self._serve_queues: Dict[str, collections.deque] = {"fwd": collections.deque(), "bwd": collections.deque()}
@@ -312,6 +318,8 @@ class PipelineRuntime:
                 self._finished += 1
                 if not task.reached_backward:
                     self._at_backward += 1
+                if not task.backward_called:  # its frames here will have no backward this step
+                    self._window_live.pop(mb, None)
                 self._flow.notify_all()
             self._check_grads_final()
 
@@ -720,11 +728,61 @@ class PipelineRuntime:
             self._serve_runners[queue] -= 1
         self._ensure_serve_runner(queue)
 
+    def _windowed(self) -> bool:
+        return self.window is not None and self.pipeline == "interleaved"
+
+    def _enter_window(self, task: Task) -> None:
+        """A served forward of a microbatch new to this stage waits until fewer than `window`
+        microbatches have frames here, as a stage of 1F1B holds only the microbatches between
+        its forward and its backward (p - k on stage k, where the root's active_microbatches
+        bounds every stage alike). Waiting microbatches enter in index order, and the token
+        is held for the one entering until it asks (BatchNorm's statistics depend on the
+        order). Calls queued behind a waiting one get a runner of their own: another call of
+        a microbatch already here must not wait behind it. A microbatch whose step function
+        ends here without a backward (evaluation) leaves the window then (_run_microbatch)."""
+        mb = task.mb
+        with self._flow:
+            if mb in self._window_live:
+                self._window_live[mb] += 1
+                return
+            if len(self._window_live) < self.window and not self._window_waiting:
+                self._window_live[mb] = 1
+                return
+            self._window_waiting.add(mb)
+        self._serve_runner_waits(task.queue)
+        try:
+            with self._flow:
+                while len(self._window_live) >= self.window or mb != min(self._window_waiting):
+                    if self._error is not None:
+                        raise self._error
+                    self._flow.wait(0.5)
+                self._window_live[mb] = self._window_live.get(mb, 0) + 1
+                self._token.expect(self._prio(task))
+        finally:
+            with self._flow:
+                self._window_waiting.discard(mb)
+                self._flow.notify_all()
+            with self._lock:
+                self._serve_runners[task.queue] += 1
+
+    def _window_done(self, mb: int) -> None:
+        """A served forward or a frame's backward of `mb` is over: its place, once it has none."""
+        with self._flow:
+            left = self._window_live.get(mb, 0) - 1
+            if left > 0:
+                self._window_live[mb] = left
+            else:
+                self._window_live.pop(mb, None)
+                self._flow.notify_all()
+
     def _serve(self, src: int, msg: Message, tensors, specs, ready) -> None:
         f = msg.fields
         _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve", queue=msg.kind)
+        windowed = msg.kind == "fwd" and f["grad"] and self._windowed()
         try:
             take(tensors, ready)
+            if windowed:
+                self._enter_window(task)
             with self._autocast_context(f.get("autocast")):
                 self._token.acquire(self._prio(task), self._label(task))
                 try:
@@ -745,6 +803,8 @@ class PipelineRuntime:
             self._abort(e if isinstance(e, StepFailed) else StepFailed(self._describe(
                 f"{what} of microbatch {f['mb']} raised", e)))
         finally:
+            if windowed:
+                self._window_done(f["mb"])  # this call's place; its frame, if any, keeps its own
             _local.task = None
 
     def _serve_forward(self, f, body, tensors, specs, task: Task):
@@ -784,6 +844,9 @@ class PipelineRuntime:
         outputs = [t for t in out_tensors if t.requires_grad]
         local = out if f.get("output") and not chain else None  # the caller sends this rank no copy of it
         if outputs:  # stored before the answer goes: the backward may follow at once
+            if self._windowed():
+                with self._flow:
+                    self._window_live[f["mb"]] = self._window_live.get(f["mb"], 0) + 1
             with self._lock:
                 self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls, task.leases, f.get("parent"), origin)
                 self._served_mbs.add(f["mb"])
@@ -817,6 +880,8 @@ class PipelineRuntime:
             self.graphs.release(frame.leases)
             with self._lock:
                 self._serving_backward -= 1
+            if self._windowed():
+                self._window_done(current_task().mb)
         if frame.parent is None or not frame.inputs:
             # The first hop, or a hop whose inputs need no gradient (so the hops before it kept
             # no frame): the caller's answer.

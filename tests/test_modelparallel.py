@@ -789,6 +789,12 @@ def test_backward_called_on_one_rank_only_is_an_error_on_every_rank():
     assert all("BACKWARD ON ONE RANK OK" in r.stdout for r in results)
 
 
+def test_a_forward_after_the_backward_does_not_hold_the_last_stages_window():
+    results = run_world(2, "smp_errors.py", ["forward_after_backward"], timeout=90)
+    assert_all_ok(results)
+    assert all("FORWARD AFTER BACKWARD OK" in r.stdout for r in results)
+
+
 def test_backward_called_on_every_rank_but_the_root_is_an_error_on_every_rank():
     results = run_world(3, "smp_errors.py", ["backward_not_on_root"], timeout=90)
     assert_all_ok(results)

@@ -224,6 +224,27 @@ def backward_on_one_rank():
     print("BACKWARD ON ONE RANK OK", flush=True)
 
 
+def forward_after_backward():
+    """A step function that calls the model again after model.backward, gradients on (metrics,
+    say): the second call's frame on the last stage never has a backward. With 2 microbatches
+    and the last stage's window of one microbatch, it must not keep the next microbatch out
+    (it hung there), and training goes on."""
+    model = two_stage_classifier()
+
+    @smp.step
+    def train_then_forward(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss, model(x).sum()
+
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+    for _ in range(2):
+        loss, extra = train_then_forward(model, x, y)
+        assert torch.isfinite(loss.reduce_mean()) and torch.isfinite(extra.reduce_mean())
+    assert torch.isfinite(train_step(model, x, y).reduce_mean())
+    print("FORWARD AFTER BACKWARD OK", flush=True)
+
+
 def backward_not_on_root():
     """Three stages, the root's Sequential chained over partitions 1 and 2 (the last starts the
     backward from its own loss): a step function that calls model.backward everywhere but on
@@ -318,6 +339,6 @@ def message_stops_halfway():
 {"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
  "rank_dies_with_replicas": lambda: rank_dies(replicas=True), "replica_skips_a_step": replica_skips_a_step,
  "quiet_links": quiet_links,
- "backward_on_one_rank": backward_on_one_rank,
+ "backward_on_one_rank": backward_on_one_rank, "forward_after_backward": forward_after_backward,
  "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice,
  "message_stops_halfway": message_stops_halfway}[CASE]()

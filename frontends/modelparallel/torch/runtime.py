@@ -90,6 +90,8 @@ class ServedFrame:
     # input gradients as its own backward request (None: they go back to the caller).
     parent: Optional[CallId] = None
     origin: Optional[Tuple[int, CallId]] = None  # (caller, call id) that the chain answers
+    mb: int = -1
+    windowed: bool = False  # counted in the stage's window until its backward (_enter_window)
 
 
 _local = threading.local()
@@ -183,7 +185,8 @@ class PipelineRuntime:
         self._frames: Dict[CallId, ServedFrame] = {}
         self._served_mbs: set = set()  # microbatches with a frame served here this step
         self._window_live: Dict[int, int] = {}  # mb -> its frames here and its forwards being served
-        self._window_waiting: set = set()  # microbatches whose forward waits for the window
+        self._window_waiting: collections.Counter = collections.Counter()  # mb -> its forwards waiting
+        self._window_backed: set = set()  # microbatches that had a frame's backward here this step
         self._ids = itertools.count()
         self._threads: List[TaskHandle] = []
         self._serve_queues: Dict[str, collections.deque] = {"fwd": collections.deque(), "bwd": collections.deque()}
@@ -731,7 +734,14 @@ class PipelineRuntime:
     def _windowed(self) -> bool:
         return self.window is not None and self.pipeline == "interleaved"
 
-    def _enter_window(self, task: Task) -> None:
+    def _window_limit(self, f) -> int:
+        """The window for a served forward: one more on the last stage for a call whose
+        backward the root asks for (the last stage does not compute its loss: a second model
+        call in the step function, say), which answers a round trip later."""
+        last = self.pp_rank == self.pp_size - 1
+        return self.window + (1 if last and self.output_backward and not f.get("output") else 0)
+
+    def _enter_window(self, task: Task, limit: int) -> bool:
         """A served forward of a microbatch new to this stage waits until fewer than `window`
         microbatches have frames here, as a stage of 1F1B holds only the microbatches between
         its forward and its backward (p - k on stage k, where the root's active_microbatches
@@ -739,28 +749,36 @@ class PipelineRuntime:
         is held for the one entering until it asks (BatchNorm's statistics depend on the
         order). Calls queued behind a waiting one get a runner of their own: another call of
         a microbatch already here must not wait behind it. A microbatch whose step function
-        ends here without a backward (evaluation) leaves the window then (_run_microbatch)."""
+        ends here without a backward (evaluation) leaves the window then (_run_microbatch),
+        and a forward of a microbatch whose backward ran here already takes no place (no
+        backward would free it). Returns whether the call took a place."""
         mb = task.mb
         with self._flow:
+            if mb in self._window_backed:
+                return False
             if mb in self._window_live:
                 self._window_live[mb] += 1
-                return
-            if len(self._window_live) < self.window and not self._window_waiting:
+                return True
+            if len(self._window_live) < limit and not self._window_waiting:
                 self._window_live[mb] = 1
-                return
-            self._window_waiting.add(mb)
+                return True
+            self._window_waiting[mb] += 1
         self._serve_runner_waits(task.queue)
         try:
             with self._flow:
-                while len(self._window_live) >= self.window or mb != min(self._window_waiting):
+                while mb not in self._window_live and (len(self._window_live) >= limit
+                                                       or mb != min(self._window_waiting)):
                     if self._error is not None:
                         raise self._error
                     self._flow.wait(0.5)
                 self._window_live[mb] = self._window_live.get(mb, 0) + 1
                 self._token.expect(self._prio(task))
+            return True
         finally:
             with self._flow:
-                self._window_waiting.discard(mb)
+                self._window_waiting[mb] -= 1
+                if self._window_waiting[mb] <= 0:
+                    del self._window_waiting[mb]
                 self._flow.notify_all()
             with self._lock:
                 self._serve_runners[task.queue] += 1
@@ -778,32 +796,40 @@ class PipelineRuntime:
     def _serve(self, src: int, msg: Message, tensors, specs, ready) -> None:
         f = msg.fields
         _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve", queue=msg.kind)
-        windowed = msg.kind == "fwd" and f["grad"] and self._windowed()
+        counted = False  # this call holds a place in the stage's window
+        turn = None
         try:
             take(tensors, ready)
-            if windowed:
-                self._enter_window(task)
+            if msg.kind == "fwd" and f["grad"] and self._windowed():
+                counted = self._enter_window(task, self._window_limit(f))
             with self._autocast_context(f.get("autocast")):
                 self._token.acquire(self._prio(task), self._label(task))
                 try:
                     if msg.kind == "fwd":
-                        dst, meta, out, local = self._serve_forward(f, msg.body, tensors, specs, task)
+                        dst, kind, meta, out, local = self._serve_forward(f, msg.body, tensors, specs, task)
                         if local is not None:  # this microbatch's step function computes next, here
                             self._token.expect(priority(FORWARD, f["mb"], self.pipeline))
+                        # Forward answers leave in the order of the work that made them: a
+                        # window wait can leave several runners, and the next stage serves
+                        # forwards in arrival order (BatchNorm's statistics).
+                        turn = self.links.reserve(dst, kind)
                     else:
                         dst, reply = self._serve_backward(f, msg.body)
-                        (meta, out), local = encode(reply)[:2], None
+                        (meta, out), local, kind = encode(reply)[:2], None, reply.kind
                 finally:
                     self._token.release()
-            self.links.send_encoded(dst, meta, out)
+            sending, turn = turn, None  # the send uses the turn up, whatever happens
+            self.links.send_encoded_in_turn(dst, kind, meta, out, sending)
             if local is not None:  # this rank's own copy of the model output, with its graph
                 self._deliver(("out", f["mb"], 0), (local, [], [], None))
         except BaseException as e:
+            if turn is not None:  # reserved, never sent: later sends to that peer must not wait for it
+                self.links.pass_turn(dst, kind, turn)
             what = f"module '{f.get('path') or '<root>'}'" if msg.kind == "fwd" else "a backward"
             self._abort(e if isinstance(e, StepFailed) else StepFailed(self._describe(
                 f"{what} of microbatch {f['mb']} raised", e)))
         finally:
-            if windowed:
+            if counted:
                 self._window_done(f["mb"])  # this call's place; its frame, if any, keeps its own
             _local.task = None
 
@@ -844,11 +870,17 @@ class PipelineRuntime:
         outputs = [t for t in out_tensors if t.requires_grad]
         local = out if f.get("output") and not chain else None  # the caller sends this rank no copy of it
         if outputs:  # stored before the answer goes: the backward may follow at once
+            windowed = False
             if self._windowed():
                 with self._flow:
-                    self._window_live[f["mb"]] = self._window_live.get(f["mb"], 0) + 1
+                    # A forward after this microbatch's backward here (metrics with gradients
+                    # on, say) leaves a frame no backward will free: not counted.
+                    windowed = f["mb"] not in self._window_backed
+                    if windowed:
+                        self._window_live[f["mb"]] = self._window_live.get(f["mb"], 0) + 1
             with self._lock:
-                self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls, task.leases, f.get("parent"), origin)
+                self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls, task.leases, f.get("parent"), origin,
+                                                    f["mb"], windowed)
                 self._served_mbs.add(f["mb"])
                 if local is not None:
                     self._output_frames[f["mb"]] = (f["id"], origin)
@@ -858,7 +890,7 @@ class PipelineRuntime:
             # The step function here may change its output in place while the reply is still
             # being sent: the reply carries copies.
             out_tensors = [t.detach().clone() for t in out_tensors]
-        return dst, meta, out_tensors, local
+        return dst, answer.kind, meta, out_tensors, local
 
     def _serve_backward(self, f, grads) -> Tuple[int, Message]:
         answer = self._frame_backward(f["id"], None, list(grads))
@@ -881,7 +913,10 @@ class PipelineRuntime:
             with self._lock:
                 self._serving_backward -= 1
             if self._windowed():
-                self._window_done(current_task().mb)
+                with self._flow:
+                    self._window_backed.add(frame.mb)
+            if frame.windowed:
+                self._window_done(frame.mb)
         if frame.parent is None or not frame.inputs:
             # The first hop, or a hop whose inputs need no gradient (so the hops before it kept
             # no frame): the caller's answer.

@@ -21,7 +21,7 @@ import collections
 import io
 import pickle
 import threading
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -145,15 +145,30 @@ class Links:
         """Sends `msg` to pipeline rank `dst`, after the sends of earlier turns when `turn` (from
         reserve) is given; returns the tensors it carried (the caller's). A turn is always
         used up, also when the send fails, so later turns never wait for it forever."""
-        key = (dst, msg.kind)
-        try:
-            if turn is not None:
-                with self._turns:
-                    self._turns.wait_for(lambda: self._turn[key] == turn)
+        with self._in_turn((dst, msg.kind), turn):
             meta, tensors, _ = encode(msg)
             with self.timeline.span(f"send {msg.kind} to {dst}", "send") if self.timeline else nullcontext():
                 self.send_encoded(dst, meta, tensors)
             return tensors
+
+    def send_encoded_in_turn(self, dst: int, kind: str, meta: bytes, tensors: List[torch.Tensor],
+                             turn: Optional[int]) -> None:
+        """send_encoded of a message of `kind`, after the sends of earlier turns (see send)."""
+        with self._in_turn((dst, kind), turn):
+            self.send_encoded(dst, meta, tensors)
+
+    def pass_turn(self, dst: int, kind: str, turn: int) -> None:
+        """Gives up a reserved turn without sending (the work it was for failed)."""
+        with self._in_turn((dst, kind), turn):
+            pass
+
+    @contextmanager
+    def _in_turn(self, key, turn: Optional[int]):
+        try:
+            if turn is not None:
+                with self._turns:
+                    self._turns.wait_for(lambda: self._turn[key] == turn)
+            yield
         finally:
             if turn is not None:
                 with self._turns:

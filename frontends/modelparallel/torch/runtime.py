@@ -756,11 +756,8 @@ class PipelineRuntime:
         with self._flow:
             if mb in self._window_backed:
                 return False
-            if mb in self._window_live:
-                self._window_live[mb] += 1
-                return True
-            if len(self._window_live) < limit and not self._window_waiting:
-                self._window_live[mb] = 1
+            if mb in self._window_live or (len(self._window_live) < limit and not self._window_waiting):
+                self._window_take(mb)
                 return True
             self._window_waiting[mb] += 1
         self._serve_runner_waits(task.queue)
@@ -771,7 +768,7 @@ class PipelineRuntime:
                     if self._error is not None:
                         raise self._error
                     self._flow.wait(0.5)
-                self._window_live[mb] = self._window_live.get(mb, 0) + 1
+                self._window_take(mb)
                 self._token.expect(self._prio(task))
             return True
         finally:
@@ -783,9 +780,19 @@ class PipelineRuntime:
             with self._lock:
                 self._serve_runners[task.queue] += 1
 
-    def _window_done(self, mb: int) -> None:
-        """A served forward or a frame's backward of `mb` is over: its place, once it has none."""
+    def _window_take(self, mb: int) -> None:
+        """One more call or frame of `mb` holds its place in the window (caller holds _flow)."""
+        self._window_live[mb] = self._window_live.get(mb, 0) + 1
+
+    def _window_done(self, mb: int, counted: bool = True, backward_ran: bool = False) -> None:
+        """A served forward or a frame's backward of `mb` is over: its place goes once nothing
+        of `mb` holds it. `counted`: the call or frame held a place; `backward_ran`: a frame's
+        backward, after which forwards of `mb` here take no place."""
         with self._flow:
+            if backward_ran:
+                self._window_backed.add(mb)
+            if not counted:
+                return
             left = self._window_live.get(mb, 0) - 1
             if left > 0:
                 self._window_live[mb] = left
@@ -877,7 +884,7 @@ class PipelineRuntime:
                     # on, say) leaves a frame no backward will free: not counted.
                     windowed = f["mb"] not in self._window_backed
                     if windowed:
-                        self._window_live[f["mb"]] = self._window_live.get(f["mb"], 0) + 1
+                        self._window_take(f["mb"])
             with self._lock:
                 self._frames[f["id"]] = ServedFrame(inputs, outputs, task.calls, task.leases, f.get("parent"), origin,
                                                     f["mb"], windowed)
@@ -913,10 +920,7 @@ class PipelineRuntime:
             with self._lock:
                 self._serving_backward -= 1
             if self._windowed():
-                with self._flow:
-                    self._window_backed.add(frame.mb)
-            if frame.windowed:
-                self._window_done(frame.mb)
+                self._window_done(frame.mb, counted=frame.windowed, backward_ran=True)
         if frame.parent is None or not frame.inputs:
             # The first hop, or a hop whose inputs need no gradient (so the hops before it kept
             # no frame): the caller's answer.

@@ -60,6 +60,7 @@ p.add_argument("--act-ckpt", action="store_true",
                help="also time smp with every layer under smp.set_activation_checkpointing (suffix _ckpt)")
 p.add_argument("--graphs", action="store_true",
                help="also time smp with its stages replayed as CUDA graphs (SMDDP_SMP_CUDA_GRAPHS; suffix _graphs)")
+p.add_argument("--no-eager", action="store_true", help="with --graphs: time the graphed runs only")
 p.add_argument("--active", default="", help="also time smp interleaved with these active_microbatches")
 p.add_argument("--memory", action="store_true", help="CPU: sample each step's peak resident memory (see above)")
 p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
@@ -290,7 +291,8 @@ def main():
         opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
         train_step = smp_train_step(smp)
         base = smp._state.cfg
-        suffixes = [""] + (["_graphs"] if args.graphs else []) + (["_ckpt"] if args.act_ckpt else [])
+        suffixes = ([] if args.no_eager and args.graphs else [""]) + (["_graphs"] if args.graphs else []) + \
+            (["_ckpt"] if args.act_ckpt else [])
         for suffix in suffixes:
             if suffix == "_ckpt":  # every encoder layer keeps only its input; activations recomputed in backward
                 smp.set_activation_checkpointing(model.module, strategy="each")

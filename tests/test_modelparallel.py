@@ -553,22 +553,28 @@ def test_the_schedules_run_forwards_and_backwards_in_their_documented_order(pipe
                 assert not between, (mb, spans[loss:first + 1])
 
 
-@pytest.mark.parametrize("env, last_window", [({}, 1), ({"SMDDP_SMP_OUTPUT_BACKWARD": "0"}, 2)],
-                         ids=["last-stage-loss", "root-loss"])
-def test_each_stage_holds_no_more_microbatches_than_1f1b(env, last_window, tmp_path):
+@pytest.mark.parametrize("model, mode, env, windows", [
+    ("seq", "auto", {}, [3, 2, 1]),
+    ("seq", "auto", {"SMDDP_SMP_OUTPUT_BACKWARD": "0"}, [3, 2, 2]),
+    # Through partitions 1, 2, 3 and back to 0 (the root computes the loss): by depth, one more
+    # than 1F1B's for the round trip; stage 1's 4 is the root's own bound.
+    ("bounce", "manual", {}, [4, 3, 2]),
+], ids=["last-stage-loss", "root-loss", "round-trip-by-depth"])
+def test_each_stage_holds_no_more_microbatches_than_1f1b(model, mode, env, windows, tmp_path):
     """pp=4, 8 microbatches, 4 active: stage k (k > 0) holds at most 4 - k microbatches
     between a microbatch's forward there and the end of its backward there, as torch's 1F1B
-    does (one more on the last stage when the root computes the loss), where every stage
-    could otherwise hold all 4 the root admits; and the pipeline trains as one process."""
+    does (one more on the last stage when the root computes the loss; one more on each stage
+    reached d-th by a layout that is not a rank-ordered Sequential), where every stage could
+    otherwise hold all 4 the root admits; and the pipeline trains as one process."""
     prefix = tmp_path / "tl"
-    results = run_world(4, "smp_pipeline.py", ["seq", "auto", "interleaved", "4", "8", "2", "4"], timeout=120,
+    results = run_world(4, "smp_pipeline.py", [model, mode, "interleaved", "4", "8", "2", "4"], timeout=120,
                         env={"SMDDP_TIMELINE": str(prefix), **env})
     assert_all_ok(results)
     for r in (r.event("trained") for r in results):
         assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
         assert r["kept_after_steps"] == [], r["kept_after_steps"]
     for rank in range(1, 4):
-        window = 4 - rank if rank < 3 else last_window
+        window = windows[rank - 1]
         held = []  # [mb, its forward's start here, its backward's end here]
         current = {}
         for start, end, kind, phase, mb in _compute_spans(prefix, rank):

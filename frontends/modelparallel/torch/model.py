@@ -371,8 +371,8 @@ class DistributedModel(nn.Module):
         stage k does (p - k), when the root is a plain Sequential whose children pass through
         the partitions once each in rank order, so that rank k is stage k. One more on the
         last stage when the root, not the last stage, computes the loss (it answers a round
-        trip later). None (no bound but the root's active_microbatches) for other layouts:
-        there a rank's place in the pipeline is not its rank."""
+        trip later). None for other layouts, where a rank's place in the pipeline is not its
+        rank: the runtime bounds those by the depth each call reports (_depth_window)."""
         root = self.module
         if me == 0 or assignment[""] != 0 or not (isinstance(root, nn.Sequential)
                                                  and type(root).forward is nn.Sequential.forward):

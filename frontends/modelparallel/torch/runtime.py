@@ -78,6 +78,9 @@ class Task:
     backward_called: bool = False  # model.backward ran in this microbatch (once only)
     output_producer: Optional[int] = None  # the rank that keeps this model call's output (call_remote)
     leases: List[Any] = field(default_factory=list)  # graph instances its forward used (stage_graphs.py)
+    # Pipeline ranks in the order this microbatch's forward first reached them, as far as this
+    # task knows (None: not followed); see _depth_window.
+    visits: Optional[List[int]] = None
 
 
 @dataclass
@@ -160,9 +163,9 @@ class PipelineRuntime:
         self._frees_blas_workspaces = (device.type == "cuda"
                                        and config.value("SMDDP_SMP_FREE_BLAS_WORKSPACES") == "1")
         self.local_module_ids: set = set()  # id() of every module this rank owns (set by the model)
-        # Microbatches this stage may hold at once under "interleaved" (None: no bound beyond
-        # the root's active_microbatches). Set by the model when the root is a chain of stages in
-        # rank order (see _enter_window).
+        # Microbatches this stage may hold at once under "interleaved", set by the model when the
+        # root is a chain of stages in rank order (see _enter_window); None: each call's depth
+        # bounds it (_depth_window).
         self.window: Optional[int] = None
         self._graphable_runs: Dict[tuple, List[torch.nn.Module]] = {}  # run -> its modules ([]: not local)
         self._reset()
@@ -187,6 +190,9 @@ class PipelineRuntime:
         self._window_live: Dict[int, int] = {}  # mb -> its frames here and its forwards being served
         self._window_waiting: collections.Counter = collections.Counter()  # mb -> its forwards waiting
         self._window_backed: set = set()  # microbatches that had a frame's backward here this step
+        # The first microbatch's visiting order this step, which the others' must follow to be
+        # windowed by depth (the root's; see _visits_for).
+        self._visit_reference: List[int] = []
         self._ids = itertools.count()
         self._threads: List[TaskHandle] = []
         self._serve_queues: Dict[str, collections.deque] = {"fwd": collections.deque(), "bwd": collections.deque()}
@@ -293,7 +299,7 @@ class PipelineRuntime:
         return handle
 
     def _run_microbatch(self, fn, mb, args, kwargs, results, grad_enabled) -> None:
-        _local.task = task = Task(mb, FORWARD)
+        _local.task = task = Task(mb, FORWARD, visits=[self.pp_rank])
         try:
             with torch.set_grad_enabled(grad_enabled), self._autocast_context():
                 self._acquire_in_order(task)
@@ -397,7 +403,9 @@ class PipelineRuntime:
             task.output_producer = None
             out = self.root(*args, **kwargs)
             skip = task.output_producer  # it has the output already, with its graph
-            self._without_token(lambda: self._send_all(Message("out", {"mb": task.mb, "k": k}, out), skip=skip))
+            made = self.links.made_at()
+            self._without_token(lambda: self._send_all(Message("out", {"mb": task.mb, "k": k}, out), skip=skip,
+                                                        made_at=made))
             return out
         return self._wait(("out", task.mb, k), f"the model output of microbatch {task.mb}")
 
@@ -537,6 +545,10 @@ class PipelineRuntime:
                   "output": owner_starts, "autocast": autocast_state()}
         if chain:
             fields["chain"] = [(o, tuple(sp)) for o, sp in chain]
+        if self.window is None and self._windowed() and fields["grad"]:
+            visits = self._visits_for(task, [owner, *(o for o, _ in chain)])
+            if visits is not None:
+                fields["visits"] = visits
         msg = Message("fwd", fields, (args, kwargs))
         waiter = self._expect(("fwd_done", call_id), f"the forward of {what} on partition {owner}")
         sent = self._send_in_turn(owner, msg)
@@ -632,7 +644,8 @@ class PipelineRuntime:
         """Sends a message whose order the peer sees (it serves each kind in arrival order): the
         turn is taken while this task holds the token, the send made without it."""
         turn = self.links.reserve(dst, msg.kind)
-        return self._without_token(lambda: self.links.send(dst, msg, turn))
+        made = self.links.made_at()
+        return self._without_token(lambda: self.links.send(dst, msg, turn, made))
 
     def _without_token(self, fn):
         """Sends can wait on the network: other work of this rank runs meanwhile."""
@@ -732,16 +745,50 @@ class PipelineRuntime:
         self._ensure_serve_runner(queue)
 
     def _windowed(self) -> bool:
-        return self.window is not None and self.pipeline == "interleaved"
+        return self.pipeline == "interleaved"
 
-    def _window_limit(self, f) -> int:
-        """The window for a served forward: one more on the last stage for a call whose
-        backward the root asks for (the last stage does not compute its loss: a second model
-        call in the step function, say), which answers a round trip later."""
+    def _window_limit(self, f) -> Optional[int]:
+        """The window for a served forward (None: not bounded here). A rank-ordered Sequential
+        root: the model's window, one more on the last stage for a call whose backward the root
+        asks for (the last stage does not compute its loss: a second model call in the step
+        function, say), which answers a round trip later. Any other layout: by depth."""
+        if self.window is None:
+            return self._depth_window(f)
         last = self.pp_rank == self.pp_size - 1
         return self.window + (1 if last and self.output_backward and not f.get("output") else 0)
 
-    def _enter_window(self, task: Task, limit: int) -> bool:
+    def _depth_window(self, f) -> Optional[int]:
+        """The window of a stage reached d-th by the microbatch's forward (the root's rank is
+        0th), when the root is not a chain of stages in rank order (a custom forward): p - d, as
+        1F1B's stage d, and one more, since the root computes the loss and the backward comes
+        a round trip later. The caller lists the ranks in the order the microbatch reached
+        them; a call that does not (its microbatch strayed from the first one's order: its
+        place could then wait on a place that a later microbatch holds) is not bounded."""
+        visits = f.get("visits")
+        if not visits or self.pp_rank not in visits:
+            return None
+        return self.pp_size - visits.index(self.pp_rank) + 1
+
+    def _visits_for(self, task: Task, owners: Sequence[int]) -> Optional[List[int]]:
+        """The visiting order that a call of `task` to `owners` (in turn) carries, or None when
+        it does not follow the reference order: the first microbatch's on the root this step.
+        Only a call whose order agrees is windowed by depth, so that every windowed
+        microbatch reaches the stages in one order and waits only for older ones."""
+        if task.visits is None:
+            return None
+        for o in owners:
+            if o not in task.visits:
+                task.visits.append(o)
+        with self._lock:
+            ref = self._visit_reference
+            if task.kind == "step" and task.mb == 0 and self.pp_rank == self.root_owner:
+                ref[len(ref):] = task.visits[len(ref):]
+            if task.visits != ref[:len(task.visits)]:
+                task.visits = None  # strayed: none of its later calls are windowed either
+                return None
+        return list(task.visits)
+
+    def _enter_window(self, task: Task, limit: Optional[int]) -> bool:
         """A served forward of a microbatch new to this stage waits until fewer than `window`
         microbatches have frames here, as a stage of 1F1B holds only the microbatches between
         its forward and its backward (p - k on stage k, where the root's active_microbatches
@@ -753,6 +800,8 @@ class PipelineRuntime:
         and a forward of a microbatch whose backward ran here already takes no place (no
         backward would free it). Returns whether the call took a place."""
         mb = task.mb
+        if limit is None:
+            return False
         with self._flow:
             if mb in self._window_backed:
                 return False
@@ -802,7 +851,8 @@ class PipelineRuntime:
 
     def _serve(self, src: int, msg: Message, tensors, specs, ready) -> None:
         f = msg.fields
-        _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve", queue=msg.kind)
+        _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve", queue=msg.kind,
+                                  visits=list(f["visits"]) if "visits" in f else None)
         counted = False  # this call holds a place in the stage's window
         turn = None
         try:
@@ -813,7 +863,8 @@ class PipelineRuntime:
                 self._token.acquire(self._prio(task), self._label(task))
                 try:
                     if msg.kind == "fwd":
-                        dst, kind, meta, out, local = self._serve_forward(f, msg.body, tensors, specs, task)
+                        dst, kind, meta, out, local = self._serve_forward(f, msg.body, tensors, specs, task,
+                                                                          counted)
                         if local is not None:  # this microbatch's step function computes next, here
                             self._token.expect(priority(FORWARD, f["mb"], self.pipeline))
                         # Forward answers leave in the order of the work that made them: a
@@ -823,10 +874,11 @@ class PipelineRuntime:
                     else:
                         dst, reply = self._serve_backward(f, msg.body)
                         (meta, out), local, kind = encode(reply)[:2], None, reply.kind
+                    made = self.links.made_at()
                 finally:
                     self._token.release()
             sending, turn = turn, None  # the send uses the turn up, whatever happens
-            self.links.send_encoded_in_turn(dst, kind, meta, out, sending)
+            self.links.send_encoded_in_turn(dst, kind, meta, out, sending, made)
             if local is not None:  # this rank's own copy of the model output, with its graph
                 self._deliver(("out", f["mb"], 0), (local, [], [], None))
         except BaseException as e:
@@ -840,7 +892,7 @@ class PipelineRuntime:
                 self._window_done(f["mb"])  # this call's place; its frame, if any, keeps its own
             _local.task = None
 
-    def _serve_forward(self, f, body, tensors, specs, task: Task):
+    def _serve_forward(self, f, body, tensors, specs, task: Task, counted: bool):
         """Runs a forward call for a peer; returns where its answer goes, the answer encoded,
         and this rank's own copy of the model output when it keeps one. The answer is the
         caller's result, or for a hop of a chain with hops left, the next hop's call."""
@@ -866,6 +918,8 @@ class PipelineRuntime:
                    "autocast": f["autocast"]}
             if rest:
                 hop["chain"] = rest
+            if "visits" in f:
+                hop["visits"] = f["visits"]
             dst, answer = nxt, Message("fwd", hop, ((out,), {}))
             with self._lock:
                 self.chained_hops += 1
@@ -878,7 +932,7 @@ class PipelineRuntime:
         local = out if f.get("output") and not chain else None  # the caller sends this rank no copy of it
         if outputs:  # stored before the answer goes: the backward may follow at once
             windowed = False
-            if self._windowed():
+            if counted:  # the call holds a place: its frame keeps one until its backward
                 with self._flow:
                     # A forward after this microbatch's backward here (metrics with gradients
                     # on, say) leaves a frame no backward will free: not counted.
@@ -963,7 +1017,7 @@ class PipelineRuntime:
                     except BaseException:
                         pass  # that peer is gone: its own link failure ends its step
 
-    def _send_all(self, msg: Message, skip: Optional[int] = None) -> None:
+    def _send_all(self, msg: Message, skip: Optional[int] = None, made_at=None) -> None:
         for p in range(self.pp_size):
             if p != self.pp_rank and p != skip:
-                self.links.send(p, msg)
+                self.links.send(p, msg, made_at=made_at)

@@ -625,8 +625,9 @@ def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline)
     (3, "seq", "simple", {"SMDDP_SMP_CHAIN_CALLS": "0"}, [0, 0, 0]),
     (3, "frozen", "interleaved", {}, [0, 20, 0]),
     (4, "frozen", "simple", {}, [0, 20, 20, 0]),
+    (3, "cut", "interleaved", {}, [0, 20, 0]),
 ], ids=["seq-pp3", "seq-pp4", "bounce-pp3", "bounce-pp4", "seq-pp3-root-asks-backward", "seq-pp3-unchained",
-        "frozen-pp3", "frozen-pp4"])
+        "frozen-pp3", "frozen-pp4", "cut-pp3"])
 def test_chained_calls_send_activations_stage_to_stage_and_train_like_one_process(procs, model, pipeline, env,
                                                                                    hops):
     """Runs of a Sequential on partitions 1.. are one chained call: each hop sends its output
@@ -635,7 +636,10 @@ def test_chained_calls_send_activations_stage_to_stage_and_train_like_one_proces
     starting the backward ("seq"), a chain whose result returns to the root, which then asks
     the last hop for the backward ("bounce", and "seq" with SMDDP_SMP_OUTPUT_BACKWARD=0), a
     frozen first hop whose successor gets no gradient-carrying input and so answers the root
-    itself ("frozen"), and the knob off (every run a round trip through the root)."""
+    itself ("frozen"), a hop whose output carries no gradient, so the hop before it drops its
+    frame at once ("cut": with 4 microbatches against stage 1's window of 3, a kept frame
+    held its place for good and the step hung), and the knob off (every run a round trip
+    through the root)."""
     mode = "auto" if model == "seq" else "manual"
     results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(procs), "4", "5"], timeout=120,
                         env=env)
@@ -799,6 +803,12 @@ def test_a_forward_after_the_backward_does_not_hold_the_last_stages_window():
     results = run_world(2, "smp_errors.py", ["forward_after_backward"], timeout=90)
     assert_all_ok(results)
     assert all("FORWARD AFTER BACKWARD OK" in r.stdout for r in results)
+
+
+def test_a_forward_after_the_backward_to_a_new_stage_takes_no_place_in_its_window():
+    results = run_world(3, "smp_errors.py", ["forward_after_backward_new_stage"], timeout=90)
+    assert_all_ok(results)
+    assert all("FORWARD AFTER BACKWARD NEW STAGE OK" in r.stdout for r in results)
 
 
 def test_backward_called_on_every_rank_but_the_root_is_an_error_on_every_rank():

@@ -245,6 +245,41 @@ def forward_after_backward():
     print("FORWARD AFTER BACKWARD OK", flush=True)
 
 
+def forward_after_backward_new_stage():
+    """A custom forward (windowed by depth): the step function's call after model.backward takes
+    a branch to a partition the microbatch had not reached, gradients on. That stage never
+    runs a backward of the microbatch, so the call must not take a place in its window (with
+    4 microbatches against its window of 2, the third hung there)."""
+    smp.init({"partitions": 3, "microbatches": 4, "auto_partition": False, "default_partition": 0})
+
+    class Fork(nn.Module):
+        def __init__(self):
+            super().__init__()
+            with smp.partition(1):
+                self.body = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 2)
+            with smp.partition(2):
+                self.probe = nn.Linear(8, 2)
+
+        def forward(self, x, extra=False):
+            h = torch.relu(self.body(x))
+            return self.probe(h) if extra else self.head(h)
+
+    model = smp.DistributedModel(Fork())
+
+    @smp.step
+    def train_then_probe(model, x, y):
+        loss = F.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss, model(x, extra=True).sum()
+
+    x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
+    for _ in range(2):
+        loss, extra = train_then_probe(model, x, y)
+        assert torch.isfinite(loss.reduce_mean()) and torch.isfinite(extra.reduce_mean())
+    print("FORWARD AFTER BACKWARD NEW STAGE OK", flush=True)
+
+
 def backward_not_on_root():
     """Three stages, the root's Sequential chained over partitions 1 and 2 (the last starts the
     backward from its own loss): a step function that calls model.backward everywhere but on
@@ -340,5 +375,6 @@ def message_stops_halfway():
  "rank_dies_with_replicas": lambda: rank_dies(replicas=True), "replica_skips_a_step": replica_skips_a_step,
  "quiet_links": quiet_links,
  "backward_on_one_rank": backward_on_one_rank, "forward_after_backward": forward_after_backward,
+ "forward_after_backward_new_stage": forward_after_backward_new_stage,
  "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice,
  "message_stops_halfway": message_stops_halfway}[CASE]()

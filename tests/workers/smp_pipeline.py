@@ -108,6 +108,30 @@ def frozen_net(parts):
     return net
 
 
+class Cut(nn.Module):
+    """A layer whose output carries no gradient (a stop-gradient inside the model)."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.fc = nn.Linear(w, w)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)).detach()
+
+
+def cut_net(parts):
+    """A Sequential through partitions 1 and 2 and back to 0, cut on partition 2: the chain's
+    second hop takes an input that needs a gradient and answers with one that does not, so the
+    first hop's frame never gets a backward (it is told to drop it instead)."""
+    with smp.partition(0):
+        first, head = nn.Linear(8, WIDTH), nn.Linear(WIDTH, 4)
+    with smp.partition(1):
+        middle = Block(WIDTH)
+    with smp.partition(min(2, parts - 1)):
+        cut = Cut(WIDTH)
+    return nn.Sequential(first, middle, cut, head)
+
+
 VOCAB, SEQ = 12, 6
 
 
@@ -185,6 +209,8 @@ def build():
         return bounce_net(PARTS)
     if MODEL == "frozen":
         return frozen_net(PARTS)
+    if MODEL == "cut":
+        return cut_net(PARTS)
     if MODEL == "tied":
         return TiedLM(PARTS)
     if MODEL == "gpt":

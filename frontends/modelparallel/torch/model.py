@@ -349,6 +349,7 @@ class DistributedModel(nn.Module):
         runtime.root = self.module
         runtime.root_owner = assignment[""]
         runtime.window = self._stage_window(assignment, me, topo.pp_size, runtime.output_backward)
+        runtime.window_by_depth = not self._rank_ordered(assignment, topo.pp_size)
         runtime.local_module_ids = {id(m) for path, m in self.module.named_modules() if assignment[path] == me}
         for path, m in self.module.named_modules():
             runtime.modules[path] = m
@@ -371,17 +372,22 @@ class DistributedModel(nn.Module):
         stage k does (p - k), when the root is a plain Sequential whose children pass through
         the partitions once each in rank order, so that rank k is stage k. One more on the
         last stage when the root, not the last stage, computes the loss (it answers a round
-        trip later). None for other layouts, where a rank's place in the pipeline is not its
-        rank: the runtime bounds those by the depth each call reports (_depth_window)."""
-        root = self.module
-        if me == 0 or assignment[""] != 0 or not (isinstance(root, nn.Sequential)
-                                                 and type(root).forward is nn.Sequential.forward):
-            return None
-        owners = [assignment[name] for name, _ in root.named_children()]
-        order = [o for i, o in enumerate(owners) if i == 0 or owners[i - 1] != o]
-        if order != list(range(pp_size)):
+        trip later). None on the root's rank, and for other layouts, where a rank's place in
+        the pipeline is not its rank: the runtime bounds those by the depth each call reports
+        (_depth_window)."""
+        if me == 0 or not self._rank_ordered(assignment, pp_size):
             return None
         return pp_size - me + (0 if output_backward or me < pp_size - 1 else 1)
+
+    def _rank_ordered(self, assignment: Dict[str, int], pp_size: int) -> bool:
+        """Whether the root is a plain Sequential on rank 0 whose children pass through the
+        partitions once each in rank order."""
+        root = self.module
+        if assignment[""] != 0 or not (isinstance(root, nn.Sequential)
+                                       and type(root).forward is nn.Sequential.forward):
+            return False
+        owners = [assignment[name] for name, _ in root.named_children()]
+        return [o for i, o in enumerate(owners) if i == 0 or owners[i - 1] != o] == list(range(pp_size))
 
     @staticmethod
     def _dispatching_forward(runtime: PipelineRuntime, module: nn.Module, path: str, owner: int, original,

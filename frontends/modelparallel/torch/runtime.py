@@ -81,6 +81,7 @@ class Task:
     # Pipeline ranks in the order this microbatch's forward first reached them, as far as this
     # task knows (None: not followed); see _depth_window.
     visits: Optional[List[int]] = None
+    drops: List[Tuple[int, Any]] = field(default_factory=list)  # a served hop's "drop" messages (_serve_forward)
 
 
 @dataclass
@@ -167,6 +168,7 @@ class PipelineRuntime:
         # root is a chain of stages in rank order (see _enter_window); None: each call's depth
         # bounds it (_depth_window).
         self.window: Optional[int] = None
+        self.window_by_depth = False  # set by the model for layouts other than that chain
         self._graphable_runs: Dict[tuple, List[torch.nn.Module]] = {}  # run -> its modules ([]: not local)
         self._reset()
 
@@ -545,7 +547,9 @@ class PipelineRuntime:
                   "output": owner_starts, "autocast": autocast_state()}
         if chain:
             fields["chain"] = [(o, tuple(sp)) for o, sp in chain]
-        if self.window is None and self._windowed() and fields["grad"]:
+        # A call after this microbatch's backward is not windowed: a frame it leaves on a stage
+        # that had no backward of the microbatch yet would get none, and hold its place for good.
+        if self.window_by_depth and self._windowed() and fields["grad"] and not task.backward_called:
             visits = self._visits_for(task, [owner, *(o for o, _ in chain)])
             if visits is not None:
                 fields["visits"] = visits
@@ -686,13 +690,15 @@ class PipelineRuntime:
                     self._abort(StepFailed(self._describe(
                         f"the link from pipeline rank {src} (global rank {self.global_ranks[src]}) failed", e)))
                 return
-            if msg.kind in ("fwd", "bwd", "fwd_done", "bwd_done") and msg.fields["id"][1] != self._step:
+            if msg.kind in ("fwd", "bwd", "fwd_done", "bwd_done", "drop") and msg.fields["id"][1] != self._step:
                 self._abort(StepFailed(self._uneven_backward(
                     f"pipeline rank {src} sent pipeline rank {self.pp_rank} a '{msg.kind}' of step "
                     f"{msg.fields['id'][1]} after that step ended here")))
                 return
             if msg.kind in ("fwd", "bwd"):
                 self._queue_serve(msg.kind, (src, msg, tensors, specs, ready))
+            elif msg.kind == "drop":  # served as backwards are, after those queued before it
+                self._queue_serve("bwd", (src, msg, tensors, specs, ready))
             elif msg.kind in ("fwd_done", "bwd_done", "out"):
                 key = ((msg.kind, msg.fields["mb"], msg.fields["k"]) if msg.kind == "out"
                        else (msg.kind, msg.fields["id"]))
@@ -753,7 +759,7 @@ class PipelineRuntime:
         asks for (the last stage does not compute its loss: a second model call in the step
         function, say), which answers a round trip later. Any other layout: by depth."""
         if self.window is None:
-            return self._depth_window(f)
+            return self._depth_window(f) if self.window_by_depth else None
         last = self.pp_rank == self.pp_size - 1
         return self.window + (1 if last and self.output_backward and not f.get("output") else 0)
 
@@ -851,6 +857,13 @@ class PipelineRuntime:
 
     def _serve(self, src: int, msg: Message, tensors, specs, ready) -> None:
         f = msg.fields
+        if msg.kind == "drop":
+            try:
+                self._drop_frame(f["id"])
+            except BaseException as e:
+                self._abort(e if isinstance(e, StepFailed) else StepFailed(self._describe(
+                    f"dropping a frame of microbatch {f['mb']}", e)))
+            return
         _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve", queue=msg.kind,
                                   visits=list(f["visits"]) if "visits" in f else None)
         counted = False  # this call holds a place in the stage's window
@@ -879,6 +892,8 @@ class PipelineRuntime:
                     self._token.release()
             sending, turn = turn, None  # the send uses the turn up, whatever happens
             self.links.send_encoded_in_turn(dst, kind, meta, out, sending, made)
+            for rank, drop in task.drops:
+                self.links.send(rank, drop)
             if local is not None:  # this rank's own copy of the model output, with its graph
                 self._deliver(("out", f["mb"], 0), (local, [], [], None))
         except BaseException as e:
@@ -920,6 +935,9 @@ class PipelineRuntime:
                 hop["chain"] = rest
             if "visits" in f:
                 hop["visits"] = f["visits"]
+            # The hops whose frames wait for this hop's backward (see _drop_frame). Not those
+            # before a hop whose inputs need no gradient: no frame there waits on it.
+            hop["upstream"] = (f.get("upstream", []) if inputs else []) + [(self.pp_rank, f["id"])]
             dst, answer = nxt, Message("fwd", hop, ((out,), {}))
             with self._lock:
                 self.chained_hops += 1
@@ -947,11 +965,32 @@ class PipelineRuntime:
                     self._output_frames[f["mb"]] = (f["id"], origin)
         else:
             self.graphs.release(task.leases)
+            if inputs:
+                # A hop whose inputs need a gradient but whose outputs carry none: no backward
+                # will reach the hops before it, whose frames (and places in the window) would
+                # otherwise stay until the step's end. They are told to drop them (_serve).
+                task.drops = [(rank, Message("drop", {"id": call_id, "mb": f["mb"]}))
+                              for rank, call_id in f.get("upstream", [])]
         if local is not None:
             # The step function here may change its output in place while the reply is still
             # being sent: the reply carries copies.
             out_tensors = [t.detach().clone() for t in out_tensors]
         return dst, answer.kind, meta, out_tensors, local
+
+    def _drop_frame(self, call_id) -> None:
+        """A later hop of a chain answered with outputs that carry no gradient, so the frame of
+        the call `call_id` served here gets no backward: it goes now, with its graph instances
+        and its place in the window (it held that place until the step's end, and a later
+        microbatch waiting for it hung the step). The later hop tells every hop before it
+        directly, so nothing is sent from here: a message sent after this rank's "end" would
+        cross into the next step."""
+        with self._lock:
+            frame = self._frames.pop(call_id, None)
+        if frame is None:  # this hop kept no frame (its own outputs carried no gradient)
+            return
+        self.graphs.release(frame.leases)
+        self._window_done(frame.mb, counted=frame.windowed, backward_ran=True)
+        self._check_grads_final()
 
     def _serve_backward(self, f, grads) -> Tuple[int, Message]:
         answer = self._frame_backward(f["id"], None, list(grads))

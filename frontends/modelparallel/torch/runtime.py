@@ -78,8 +78,9 @@ class Task:
     backward_called: bool = False  # model.backward ran in this microbatch (once only)
     output_producer: Optional[int] = None  # the rank that keeps this model call's output (call_remote)
     leases: List[Any] = field(default_factory=list)  # graph instances its forward used (stage_graphs.py)
-    # Pipeline ranks in the order this microbatch's forward first reached them, as far as this
-    # task knows (None: not followed); see _depth_window.
+    # The root's step function: pipeline ranks in the order this microbatch's forward first
+    # reached them (None: not followed, as for served calls, whose onward calls are not
+    # windowed); see _depth_window.
     visits: Optional[List[int]] = None
     drops: List[Tuple[int, Any]] = field(default_factory=list)  # a served hop's "drop" messages (_serve_forward)
 
@@ -301,7 +302,7 @@ class PipelineRuntime:
         return handle
 
     def _run_microbatch(self, fn, mb, args, kwargs, results, grad_enabled) -> None:
-        _local.task = task = Task(mb, FORWARD, visits=[self.pp_rank])
+        _local.task = task = Task(mb, FORWARD, visits=[self.pp_rank] if self.pp_rank == self.root_owner else None)
         try:
             with torch.set_grad_enabled(grad_enabled), self._autocast_context():
                 self._acquire_in_order(task)
@@ -787,7 +788,7 @@ class PipelineRuntime:
                 task.visits.append(o)
         with self._lock:
             ref = self._visit_reference
-            if task.kind == "step" and task.mb == 0 and self.pp_rank == self.root_owner:
+            if task.mb == 0:  # only the root's step functions follow their visits
                 ref[len(ref):] = task.visits[len(ref):]
             if task.visits != ref[:len(task.visits)]:
                 task.visits = None  # strayed: none of its later calls are windowed either
@@ -864,8 +865,7 @@ class PipelineRuntime:
                 self._abort(e if isinstance(e, StepFailed) else StepFailed(self._describe(
                     f"dropping a frame of microbatch {f['mb']}", e)))
             return
-        _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve", queue=msg.kind,
-                                  visits=list(f["visits"]) if "visits" in f else None)
+        _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve", queue=msg.kind)
         counted = False  # this call holds a place in the stage's window
         turn = None
         try:

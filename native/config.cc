@@ -52,7 +52,8 @@ const std::vector<ConfigVar>& config_table() {
       {"SMDDP_LOG_LEVEL", "1", "0 errors, 1 warnings, 2 info, 3 debug"},
       {"SMDDP_STALL_WARNING", "30",
        "seconds after which a tensor some ranks submitted and others did not is logged with "
-       "the missing ranks"},
+       "the missing ranks; and after which a pipeline rank whose smp step waits with nothing "
+       "arriving or computing logs what it waits for"},
       {"SMDDP_NCCL_LIBRARY", "",
        "path of libnccl.so.2 for CUDA tensors; default: the copy already loaded by the framework, "
        "then the nvidia-nccl wheel's, then the system's"},

@@ -1074,6 +1074,22 @@ def test_links_quiet_for_longer_than_the_timeout_are_not_failures():
     assert all("QUIET OK" in r.stdout for r in results)
 
 
+def test_a_step_standing_still_is_reported_by_the_rank_that_waits():
+    """The middle stage computes for 4 s while the root waits for its answer with nothing
+    arriving: with SMDDP_STALL_WARNING=1 the root logs what it waits for (it would say the
+    same of a rank stuck for good); the computing stage logs nothing, and the step completes."""
+    results = run_world(3, "smp_errors.py", ["slow_middle_stage"],
+                        env={"SMDDP_TIMEOUT": "2", "SMP_TEST_SLOW_S": "4", "SMDDP_STALL_WARNING": "1"}, timeout=120)
+    assert_all_ok(results)
+    assert all("QUIET OK" in r.stdout for r in results)
+    reports = [line for line in results[0].stderr.splitlines()
+               if "nothing arrived from the other pipeline ranks" in line]
+    assert reports, results[0].output
+    assert "smp: pipeline rank 0 (global rank 0), step 1:" in reports[0] and "on partition 1" in reports[0], reports
+    assert "nothing computes here" in reports[0], reports
+    assert "nothing arrived" not in results[1].stderr, results[1].stderr  # it computes: not stalled
+
+
 def test_a_message_that_stops_halfway_is_a_fault_not_a_quiet_link():
     results = run_world(2, "smp_errors.py", ["message_stops_halfway"], env={"SMDDP_TIMEOUT": "2"}, timeout=90)
     assert_all_ok(results)

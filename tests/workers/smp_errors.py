@@ -1,7 +1,7 @@
 """Misuse and failures of smdistributed.modelparallel.torch: each case prints (or reports,
 report.py) what every rank saw. argv: case (misuse | bad_config | rank_dies | rank_stops |
-rank_dies_with_replicas | replica_skips_a_step | quiet_links | backward_on_one_rank | backward_not_on_root |
-backward_twice | message_stops_halfway)."""
+rank_dies_with_replicas | replica_skips_a_step | quiet_links | slow_middle_stage | backward_on_one_rank |
+backward_not_on_root | backward_twice | message_stops_halfway)."""
 import os
 import signal
 import sys
@@ -169,11 +169,14 @@ class Slow(nn.Module):
         return self.fc(x)
 
 
-def quiet_links():
+def quiet_links(slow_on: int = 0):
     """Links that carry nothing for longer than SMDDP_TIMEOUT (every link waits while
-    partition 0 runs a long forward) are quiet, not failed: the step completes."""
+    partition 0 runs a long forward) are quiet, not failures: the step completes.
+    slow_on=1: the middle stage runs the long forward, and the root waits for its answer with
+    nothing arriving (the test sets SMDDP_STALL_WARNING below the wait: a stall report)."""
     smp.init({"partitions": 3, "microbatches": 1, "auto_partition": False, "default_partition": 0})
-    slow = Slow()
+    with smp.partition(slow_on):
+        slow = Slow()
     with smp.partition(1):
         middle = nn.Linear(8, 8)
     with smp.partition(2):
@@ -373,7 +376,7 @@ def message_stops_halfway():
 
 {"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
  "rank_dies_with_replicas": lambda: rank_dies(replicas=True), "replica_skips_a_step": replica_skips_a_step,
- "quiet_links": quiet_links,
+ "quiet_links": quiet_links, "slow_middle_stage": lambda: quiet_links(slow_on=1),
  "backward_on_one_rank": backward_on_one_rank, "forward_after_backward": forward_after_backward,
  "forward_after_backward_new_stage": forward_after_backward_new_stage,
  "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice,

@@ -34,6 +34,7 @@ import torch
 from smdistributed.common import config
 
 from .blas_workspaces import free_blas_workspaces
+from .stall_report import StallReport
 from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
 from .stage_graphs import StageGraphs
 from .wire import Links, Message, QuietLink, encode, take
@@ -171,6 +172,9 @@ class PipelineRuntime:
         self.window: Optional[int] = None
         self.window_by_depth = False  # set by the model for layouts other than that chain
         self._graphable_runs: Dict[tuple, List[torch.nn.Module]] = {}  # run -> its modules ([]: not local)
+        self.stall = StallReport(float(config.value("SMDDP_STALL_WARNING")))
+        self.stall.header = lambda: (f"pipeline rank {self.pp_rank} (global rank {self.global_ranks[self.pp_rank]}), "
+                                     f"step {self._step}")
         self._reset()
 
     # -- step --------------------------------------------------------------------------------
@@ -210,6 +214,8 @@ class PipelineRuntime:
         self._serving_backward = 0
         self._grads_final_fired = False
         self.backward_seen = False
+        self._root_ended = False  # the root's "end" of this step arrived (a rank other than the root)
+        self.stall.new_step()
 
     def aborted(self) -> Optional[BaseException]:
         return self._error
@@ -281,7 +287,21 @@ class PipelineRuntime:
         return p if p < self.pp_rank else p - 1
 
     def _join(self, t: TaskHandle) -> None:
-        t.join()
+        """Joins `t`; meanwhile, a rank whose step waits with nothing moving says what waits."""
+        while not t.join(0.5):
+            self.stall.check(self._token, self._stall_extra)
+
+    def _stall_extra(self) -> List[str]:
+        """What else this rank waits for, for a stall report: a rank other than the root, the
+        root's next message once the step's first arrived (before that the root may be busy
+        outside the step); and who holds this stage's window places."""
+        extra = []
+        if self.pp_rank != self.root_owner and self.stall.heard_this_step and not self._root_ended:
+            extra.append(f"pipeline rank {self.root_owner}'s next message of this step (the root's)")
+        with self._flow:
+            if self._window_waiting:
+                extra.append(f"microbatches {sorted(self._window_live)} hold this stage's window places")
+        return extra
 
     def _join_all(self) -> None:
         """Joins every task of the step, including any started while joining."""
@@ -340,7 +360,7 @@ class PipelineRuntime:
         start together, and whichever the OS ran first would otherwise take the token (measured:
         the root sent microbatch 2's forward before microbatch 0's, and every stage after it
         worked out of order, delaying the first backward)."""
-        with self._flow:
+        with self._flow, self.stall.waiting(f"microbatch {task.mb}: microbatch {task.mb - 1}'s first compute"):
             while self._first_computed < task.mb:
                 if self._error is not None:
                     raise self._error
@@ -369,7 +389,7 @@ class PipelineRuntime:
         Microbatches start in order; interleaved: at most `active_microbatches` of them
         between start and finish. (In order, or a later microbatch could take the last slot and
         then wait for an earlier one to compute first, which waits for the slot.)"""
-        with self._flow:
+        with self._flow, self.stall.waiting(f"microbatch {mb}: its start (active_microbatches in flight)"):
             while self._started != mb or (self.pipeline == "interleaved" and
                                           self._started - self._finished >= self.active):
                 if self._error is not None:
@@ -410,7 +430,8 @@ class PipelineRuntime:
             self._without_token(lambda: self._send_all(Message("out", {"mb": task.mb, "k": k}, out), skip=skip,
                                                         made_at=made))
             return out
-        return self._wait(("out", task.mb, k), f"the model output of microbatch {task.mb}")
+        return self._wait(("out", task.mb, k), f"the model output of microbatch {task.mb} from pipeline rank "
+                                               f"{self.root_owner} (the root's)")
 
     def model_backward(self, tensors, grads) -> None:
         task = current_task()
@@ -436,7 +457,8 @@ class PipelineRuntime:
         if self.pipeline == "simple":
             self._token.release()
             try:
-                with self._flow:  # all forwards before any backward
+                # all forwards before any backward
+                with self._flow, self.stall.waiting(f"microbatch {task.mb}'s backward: every forward first"):
                     while self._at_backward < self.num_microbatches:
                         if self._error is not None:
                             raise self._error
@@ -539,8 +561,8 @@ class PipelineRuntime:
         what = f"module '{path or '<root>'}'" + (f" children {span[0]}..{span[1] - 1}" if span else "")
         owner_starts = (produces_output and self.output_backward and task.kind == "step" and
                         task.model_calls == 1 and torch.is_grad_enabled())
-        if chain:
-            what += " and on, " + ", ".join(f"children {a}..{b - 1} on partition {o}" for o, (a, b) in chain)
+        chained = (" (chained on to " + ", ".join(f"children {a}..{b - 1} on partition {o}" for o, (a, b) in chain)
+                   + ")" if chain else "")
         if owner_starts:
             task.output_producer = chain[-1][0] if chain else owner
         # The caller's autocast goes with the call: the step function may enter one itself.
@@ -555,7 +577,7 @@ class PipelineRuntime:
             if visits is not None:
                 fields["visits"] = visits
         msg = Message("fwd", fields, (args, kwargs))
-        waiter = self._expect(("fwd_done", call_id), f"the forward of {what} on partition {owner}")
+        waiter = self._expect(("fwd_done", call_id), f"the forward of {what} on partition {owner}{chained}")
         sent = self._send_in_turn(owner, msg)
         out, tensors, specs = self._wait_on(waiter)
         tail = (owner, call_id)
@@ -575,8 +597,8 @@ class PipelineRuntime:
         if leaves:
             # (Nor are they kept for the backward: the step function's copy of the output is
             # freed as soon as the step function drops it.)
-            task.calls.append(RemoteCall(call_id, owner, what, inputs, [] if owner_starts else leaves, owner_starts,
-                                         *tail))
+            task.calls.append(RemoteCall(call_id, owner, what + chained, inputs, [] if owner_starts else leaves,
+                                         owner_starts, *tail))
         return out
 
     def _request(self, owner: int, msg: Message, key, what: str):
@@ -668,7 +690,8 @@ class PipelineRuntime:
         if serving:  # the calls queued behind this one may be what the peer needs first
             self._serve_runner_waits(task.queue)
         try:
-            body, tensors, specs, ready = waiter.wait(self.aborted)
+            with self.stall.waiting(f"{self._label(task) or 'a call'}: {waiter.what}"):
+                body, tensors, specs, ready = waiter.wait(self.aborted)
         finally:
             if serving:
                 with self._lock:
@@ -682,6 +705,7 @@ class PipelineRuntime:
         while True:
             try:
                 msg, tensors, specs, ready = self.links.receive(src)
+                self.stall.heard()
             except QuietLink:
                 if self._error is None:
                     continue  # this peer had nothing to say yet, not a fault
@@ -705,6 +729,8 @@ class PipelineRuntime:
                        else (msg.kind, msg.fields["id"]))
                 self._deliver(key, (msg.body, tensors, specs, ready))
             elif msg.kind == "end":
+                if src == self.root_owner:
+                    self._root_ended = True
                 return
             elif msg.kind == "abort":
                 self._abort(StepFailed(msg.fields["why"]), from_peer=True)
@@ -818,7 +844,7 @@ class PipelineRuntime:
             self._window_waiting[mb] += 1
         self._serve_runner_waits(task.queue)
         try:
-            with self._flow:
+            with self._flow, self.stall.waiting(f"{self._label(task)}: a place in this stage's window of {limit}"):
                 while mb not in self._window_live and (len(self._window_live) >= limit
                                                        or mb != min(self._window_waiting)):
                     if self._error is not None:

@@ -56,9 +56,10 @@ class ComputeToken:
         self._on_release = on_release  # run by the holder before it lets go (while nobody else computes)
         self._since = 0.0
         self._label = ""
+        self.changed_at = time.perf_counter()  # when the token last changed hands (stall reports)
         self._lock = threading.Lock()
         self._holder: Optional[int] = None
-        self._queue: list = []  # heap of (priority, seq, thread id, event)
+        self._queue: list = []  # heap of (priority, seq, thread id, event, label)
         self._seq = itertools.count()
         self._aborted = aborted
         self._expected: Dict[Any, float] = {}  # priority of a task about to ask -> until when to wait for it
@@ -98,7 +99,7 @@ class ComputeToken:
             if self._holder is None and not self._queue and not self._older_expected(prio):
                 self._take(label)
                 return
-            entry = (prio, next(self._seq), me, threading.Event())
+            entry = (prio, next(self._seq), me, threading.Event(), label)
             heapq.heappush(self._queue, entry)
             if self._holder is None:  # held back for an expected task: this may be it, or come after it
                 self._hand_over()
@@ -126,12 +127,23 @@ class ComputeToken:
     def _take(self, label: str) -> None:
         self._holder = threading.get_ident()
         self._since, self._label = time.perf_counter(), label
+        self.changed_at = self._since
+
+    def computing(self) -> bool:
+        return self._holder is not None
+
+    def describe(self) -> str:
+        """Who waits to compute, for a stall report."""
+        with self._lock:
+            queued = [e[4] for e in sorted(self._queue)]
+        return f"Waiting to compute: {', '.join(repr(q) for q in queued)}. " if queued else ""
 
     def _hand_over(self) -> None:
         """To the first waiter, or to nobody: none waits, or an older task is about to ask
         (caller holds the lock)."""
+        self.changed_at = time.perf_counter()
         if self._queue and not self._older_expected(self._queue[0][0]):
-            _, _, thread, event = heapq.heappop(self._queue)
+            _, _, thread, event, _ = heapq.heappop(self._queue)
             self._holder = thread
             event.set()
         else:

@@ -31,9 +31,13 @@ class TaskHandle:
     def __init__(self):
         self._done = threading.Event()
 
-    def join(self) -> None:
+    def join(self, timeout: Optional[float] = None) -> bool:
+        """Waits for the task (at most `timeout` seconds if given); whether it is done."""
+        if timeout is not None:
+            return self._done.wait(timeout)
         while not self._done.wait(0.5):
             pass
+        return True
 
     def is_alive(self) -> bool:
         return not self._done.is_set()

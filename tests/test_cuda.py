@@ -238,7 +238,7 @@ GPU_LAYOUTS = [pytest.param(2, 2, id="pp2"),
 @needs_two_gpus
 @pytest.mark.parametrize("procs, parts", GPU_LAYOUTS)
 @pytest.mark.parametrize("model, mode, pipeline", [("skip", "manual", "interleaved"), ("seq", "auto", "simple"),
-                                                   ("skip", "auto", "simple"), ("seq", "manual", "interleaved")])
+                                                   ("skip", "auto", "simple"), ("seqparts", "manual", "interleaved")])
 def test_cuda_modelparallel_pipeline_trains_like_one_gpu(procs, parts, model, mode, pipeline):
     """Activations and gradients cross through NCCL; with dp=2 the replicas' gradients too.
     The model is moved to the GPU before it is wrapped: the other stages' parameters leave it."""

@@ -23,6 +23,8 @@ from smdistributed.modelparallel.torch.scheduler import ComputeToken  # noqa: E4
 from smdistributed.modelparallel.torch.step import StepOutput, split_arguments  # noqa: E402
 from smdistributed.modelparallel.torch.topology import Topology  # noqa: E402
 from smdistributed.modelparallel.torch.trace import Tracer  # noqa: E402
+from smdistributed.modelparallel.torch.wire import Links  # noqa: E402
+from smdistributed.modelparallel.torch.workers import WorkerPool  # noqa: E402
 from world import assert_all_ok, free_port, run_world  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -475,10 +477,46 @@ def test_the_compute_token_waits_for_an_expected_older_task_then_gives_up_on_it(
     assert order == ["mb3"] and token.older_work_waits((6, 0)) and not token.older_work_waits((4, 0))
 
 
+def test_a_task_that_raises_is_reported_and_its_worker_takes_the_next_task():
+    """An error escaping a pipeline task goes to the runtime (which fails the step) and leaves
+    the worker alive: a dead worker, still listed idle, would take the next task and never run it."""
+    pool = WorkerPool(torch.device("cpu"))
+    escaped = []
+    pool.on_task_error = escaped.append
+    failing = pool.submit(lambda: 1 / 0)
+    assert failing.join(5) and isinstance(failing.error, ZeroDivisionError) and escaped == [failing.error]
+    ran = []
+    after = pool.submit(ran.append, "next")
+    assert after.join(5) and ran == ["next"] and after.error is None
+
+
+def test_a_send_waiting_for_a_turn_that_never_comes_gives_up_when_the_step_fails():
+    links = Links(None, [0, 1], 0, {}, torch.device("cpu"))
+    links.reserve(1, "fwd")  # a turn whose send never happens (its work failed before sending)
+    second = links.reserve(1, "fwd")
+    failure = RuntimeError("microbatch 3's forward raised")
+    outcome = []
+
+    def send_second():
+        try:
+            with links._in_turn((1, "fwd"), second):
+                outcome.append("sent")
+        except RuntimeError as e:
+            outcome.append(e)
+    sender = threading.Thread(target=send_second)
+    sender.start()
+    time.sleep(0.6)
+    assert outcome == []  # it waits for the first turn
+    links.aborted = lambda: failure
+    sender.join(3)
+    assert outcome == [failure]
+
+
 # -- pipelines of processes --------------------------------------------------------------------------
 LAYOUTS = [(2, 2), (3, 3), (4, 2)]  # (processes, partitions): pp=2, pp=3, pp=2 x dp=2
 CASES = [("skip", "manual", "simple"), ("skip", "manual", "interleaved"), ("skip", "auto", "simple"),
-         ("seq", "auto", "simple"), ("seq", "auto", "interleaved"), ("resid", "manual", "interleaved")]
+         ("seq", "auto", "simple"), ("seq", "auto", "interleaved"), ("seqparts", "manual", "interleaved"),
+         ("resid", "manual", "interleaved")]
 
 
 @pytest.mark.parametrize("procs, parts", LAYOUTS, ids=["pp2", "pp3", "pp2xdp2"])
@@ -606,13 +644,14 @@ def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline)
     # A Sequential root: the last stage starts every microbatch's backward from its own loss
     # (5 steps x 4 microbatches); a custom forward (skip) keeps the root's round trip.
     last = {r["pp_rank"]: r["output_backwards"] for r in reports}
-    assert last == ({p: (20 if p == parts - 1 else 0) for p in range(parts)} if model == "seq"
+    sequential = model in ("seq", "seqparts")
+    assert last == ({p: (20 if p == parts - 1 else 0) for p in range(parts)} if sequential
                     else {p: 0 for p in range(parts)}), last
     # Only the rank that starts the backward keeps a graph on its copy of the loss: the root's
     # copy of an output whose owner starts the backward is plain data (it held the loss's graph
     # and ran a backward of it that went nowhere).
     graphs = {r["pp_rank"]: r["loss_graphs"] for r in reports}
-    starter = parts - 1 if model == "seq" else 0
+    starter = parts - 1 if sequential else 0
     assert graphs == {p: (20 if p == starter else 0) for p in range(parts)}, graphs
 
 

@@ -1,8 +1,8 @@
 """Pipeline training equivalence: N steps through smp on this world against one process
 training the same model on the same batches. Prints one JSON line per rank.
 
-argv: model (seq | skip | tied | gpt | enc | resid), mode (auto | manual), pipeline (simple | interleaved), partitions,
-microbatches, steps.
+argv: model (seq | seqparts | skip | tied | gpt | enc | resid), mode (auto | manual), pipeline
+(simple | interleaved), partitions, microbatches, steps.
 """
 import contextlib
 import gc
@@ -215,13 +215,25 @@ def build():
         return TiedLM(PARTS)
     if MODEL == "gpt":
         return MiniGpt()
-    if MODEL == "seq":
-        layers = [nn.Linear(8, WIDTH), nn.ReLU()]
-        for _ in range(5):
-            layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-        layers += [nn.Linear(WIDTH, 4)]
+    if MODEL == "seq":  # manual: no smp.partition context, so all of it on the default partition
+        return nn.Sequential(*seq_layers())
+    if MODEL == "seqparts":  # the same layers split by hand, an even run of them in each smp.partition
+        layers = []
+        for p in range(PARTS):
+            with smp.partition(p):
+                layers += seq_layers(p, PARTS)
         return nn.Sequential(*layers)
     return SkipNet(PARTS)
+
+
+def seq_layers(part: int = 0, parts: int = 1):
+    """Part `part` of `parts` (even runs, the last shorter) of a stack of Linear and ReLU layers."""
+    makers = [lambda: nn.Linear(8, WIDTH), nn.ReLU]
+    for _ in range(5):
+        makers += [lambda: nn.Linear(WIDTH, WIDTH), nn.ReLU]
+    makers += [lambda: nn.Linear(WIDTH, 4)]
+    per = -(-len(makers) // parts)
+    return [make() for make in makers[part * per:(part + 1) * per]]
 
 
 def optimizer(params):

@@ -155,6 +155,8 @@ class PipelineRuntime:
         # served call held one per microbatch on the last stage (16 at m = 16); this keeps the
         # threads that compute few and the same from step to step.
         self._serve_pool = WorkerPool(device)
+        self._pool.on_task_error = self._serve_pool.on_task_error = self._task_escaped
+        links.aborted = self.aborted  # a send waiting for its turn gives up when the step fails
         self.output_backward = config.value("SMDDP_SMP_OUTPUT_BACKWARD") != "0"
         self.chain_calls = config.value("SMDDP_SMP_CHAIN_CALLS") != "0"  # see call_remote
         self.chained_hops = 0  # forwards this rank passed straight to the next hop of a chain, ever
@@ -219,6 +221,11 @@ class PipelineRuntime:
 
     def aborted(self) -> Optional[BaseException]:
         return self._error
+
+    def _task_escaped(self, e: BaseException) -> None:
+        """A task let an error escape its own handling: the step fails on every rank (what the
+        task was to deliver would otherwise be waited for forever)."""
+        self._abort(e if isinstance(e, StepFailed) else StepFailed(self._describe("a pipeline thread raised", e)))
 
     def run_step(self, fn: Callable, microbatches: List[Tuple[tuple, dict]], average: bool,
                  grad_enabled: bool, autocast: Dict[str, Any], pipeline: str, active: int) -> List[Any]:
@@ -671,8 +678,18 @@ class PipelineRuntime:
         """Sends a message whose order the peer sees (it serves each kind in arrival order): the
         turn is taken while this task holds the token, the send made without it."""
         turn = self.links.reserve(dst, msg.kind)
-        made = self.links.made_at()
-        return self._without_token(lambda: self.links.send(dst, msg, turn, made))
+        used = False
+
+        def send():
+            nonlocal used
+            used = True  # links.send uses the turn up, whatever happens
+            return self.links.send(dst, msg, turn, made)
+        try:
+            made = self.links.made_at()
+            return self._without_token(send)
+        finally:
+            if not used:  # failed before the send: later sends to that peer must not wait for this turn
+                self.links.pass_turn(dst, msg.kind, turn)
 
     def _without_token(self, fn):
         """Sends can wait on the network: other work of this rank runs meanwhile."""
@@ -916,10 +933,12 @@ class PipelineRuntime:
                     made = self.links.made_at()
                 finally:
                     self._token.release()
-            sending, turn = turn, None  # the send uses the turn up, whatever happens
-            self.links.send_encoded_in_turn(dst, kind, meta, out, sending, made)
+            # The drops go before the answer: once it is sent the step can end, and a drop
+            # sent after this rank's "end" would reach its peer in the next step.
             for rank, drop in task.drops:
                 self.links.send(rank, drop)
+            sending, turn = turn, None  # the send uses the turn up, whatever happens
+            self.links.send_encoded_in_turn(dst, kind, meta, out, sending, made)
             if local is not None:  # this rank's own copy of the model output, with its graph
                 self._deliver(("out", f["mb"], 0), (local, [], [], None))
         except BaseException as e:

@@ -23,7 +23,7 @@ import pickle
 import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -124,6 +124,7 @@ class Links:
         self._next_ticket: Dict[Tuple[int, str], int] = collections.defaultdict(int)
         self._turn: Dict[Tuple[int, str], int] = collections.defaultdict(int)
         self.timeline = None  # set by the runtime: sends and receives appear in its trace
+        self.aborted: Callable[[], Optional[BaseException]] = lambda: None  # set by the runtime
         # CUDA receives run on a stream of their own per peer: on the shared default stream an
         # NCCL receive would first wait for all compute queued before it, and the sender's
         # stream, waiting for the receive, would stall behind this rank's work (no pipelining).
@@ -186,7 +187,9 @@ class Links:
         try:
             if turn is not None:
                 with self._turns:
-                    self._turns.wait_for(lambda: self._turn[key] == turn)
+                    while not self._turns.wait_for(lambda: self._turn[key] == turn, timeout=0.5):
+                        if (err := self.aborted()) is not None:
+                            raise err  # an earlier turn may never come: the step is over
             yield
         finally:
             if turn is not None:

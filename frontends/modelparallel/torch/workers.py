@@ -5,18 +5,14 @@ made then), so a thread per microbatch or per served call, started each step, sp
 time starting than computing: measured on an H200, 8 encoder layers' forward took 45 ms in
 a fresh thread and 3-5 ms in a reused one. Workers here live as long as the process; a task
 goes to an idle worker, and a new worker starts only when all are busy (a task that waits on
-a peer keeps its worker, so the pool grows to the most tasks ever in flight at once). Each
-worker does a small matmul before taking work, so that cost is paid when the pool is sized
-(before a step), not by whichever microbatch first computes on that thread: a timeline of
-2-GPU steps showed one served forward taking 50 ms instead of 6 for that reason.
+a peer keeps its worker, so the pool grows to the most tasks ever in flight at once).
 
-The small matmul cannot warm everything a thread meets later (cuDNN's attention plans and
-cuBLASLt workspaces are per thread too, and depend on the model), so work goes to the idle
-worker that was idle last (a stack, not a shared queue): the same few threads take the same
-work step after step, and a thread that has never computed is used only when more tasks run
-at once than ever before. With a shared queue, one GPU's steps of the pipeline benchmark's
-model took 82 ms for the first dozen steps against 62 ms later (and for a plain model), as
-each task landed on another cold thread.
+A thread's per-thread state (cuBLAS handles and workspaces, cuDNN's attention plans) depends
+on the model, so work goes to the idle worker that was idle last (a stack, not a shared
+queue): the same few threads take the same work step after step, and a thread that has never
+computed is used only when more tasks run at once than ever before. With a shared queue, one
+GPU's steps of the pipeline benchmark's model took 82 ms for the first dozen steps against
+62 ms later (and for a plain model), as each task landed on another cold thread.
 """
 from __future__ import annotations
 
@@ -30,6 +26,7 @@ import torch
 class TaskHandle:
     def __init__(self):
         self._done = threading.Event()
+        self.error: Optional[BaseException] = None  # what escaped the task, if anything
 
     def join(self, timeout: Optional[float] = None) -> bool:
         """Waits for the task (at most `timeout` seconds if given); whether it is done."""
@@ -53,6 +50,9 @@ class _Worker:
 class WorkerPool:
     def __init__(self, device: torch.device):
         self._device = device
+        # Called with what a task let escape (its own handlers report what they catch): the
+        # runtime fails the step, where the task's result would otherwise be waited for forever.
+        self.on_task_error: Optional[Callable[[BaseException], None]] = None
         self._lock = threading.Lock()
         self._workers: List[_Worker] = []
         self._idle: List[_Worker] = []  # a stack: the last worker to finish is the first reused
@@ -98,6 +98,13 @@ class WorkerPool:
             fn, args, handle = w.inbox.get()
             try:
                 fn(*args)
+            except BaseException as e:  # kept in this thread: a dead worker would take the next task and never run it
+                handle.error = e
+                try:
+                    if self.on_task_error is not None:
+                        self.on_task_error(e)
+                except BaseException:
+                    pass  # the step is failing already
             finally:
                 # An idle thread must not keep its last task alive until the next one comes:
                 # a task's arguments and closure hold a microbatch's tensors and, through their

@@ -74,6 +74,11 @@ def init(config: Optional[Dict[str, Any]] = None) -> None:
         check = dist.new_group(topo.dp_group_of(p)) if topo.dp_size > 1 else None
         if p == topo.pp_rank:
             state.dp_group, state.dp_check_group = g, check
+    if topo.pp_size > 1:
+        # The pipeline group's engine starts here, on the main thread, once every rank of the
+        # pipeline has called smp.init: left to its first use, it started during the first step
+        # on whichever pipeline threads sent or received first, beside that step's other work.
+        dist.barrier(group=state.pp_group)
     if torch.cuda.is_available() and topo.pp_size > 1:
         for d in range(topo.dp_size):
             ranks = topo.pp_group_of(d)

@@ -85,6 +85,9 @@ class Task:
     visits: Optional[List[int]] = None
     drops: List[Tuple[int, Any]] = field(default_factory=list)  # a served hop's "drop" messages (_serve_forward)
 
+    def __str__(self) -> str:  # its label in the timeline and in stall reports
+        return f"{self.kind} {self.phase} mb{self.mb}"
+
 
 @dataclass
 class ServedFrame:
@@ -367,7 +370,7 @@ class PipelineRuntime:
         start together, and whichever the OS ran first would otherwise take the token (measured:
         the root sent microbatch 2's forward before microbatch 0's, and every stage after it
         worked out of order, delaying the first backward)."""
-        with self._flow, self.stall.waiting(f"microbatch {task.mb}: microbatch {task.mb - 1}'s first compute"):
+        with self._flow, self.stall.waiting("microbatch {}: microbatch {}'s first compute", task.mb, task.mb - 1):
             while self._first_computed < task.mb:
                 if self._error is not None:
                     raise self._error
@@ -396,7 +399,7 @@ class PipelineRuntime:
         Microbatches start in order; interleaved: at most `active_microbatches` of them
         between start and finish. (In order, or a later microbatch could take the last slot and
         then wait for an earlier one to compute first, which waits for the slot.)"""
-        with self._flow, self.stall.waiting(f"microbatch {mb}: its start (active_microbatches in flight)"):
+        with self._flow, self.stall.waiting("microbatch {}: its start (active_microbatches in flight)", mb):
             while self._started != mb or (self.pipeline == "interleaved" and
                                           self._started - self._finished >= self.active):
                 if self._error is not None:
@@ -407,9 +410,7 @@ class PipelineRuntime:
 
     @staticmethod
     def _label(task: Optional[Task]) -> str:
-        if task is None:
-            return ""
-        return f"{task.kind} {task.phase} mb{task.mb}"
+        return "" if task is None else str(task)
 
     def _prio(self, task: Task):
         return priority(task.phase, task.mb, self.pipeline)
@@ -465,7 +466,7 @@ class PipelineRuntime:
             self._token.release()
             try:
                 # all forwards before any backward
-                with self._flow, self.stall.waiting(f"microbatch {task.mb}'s backward: every forward first"):
+                with self._flow, self.stall.waiting("microbatch {}'s backward: every forward first", task.mb):
                     while self._at_backward < self.num_microbatches:
                         if self._error is not None:
                             raise self._error
@@ -707,7 +708,7 @@ class PipelineRuntime:
         if serving:  # the calls queued behind this one may be what the peer needs first
             self._serve_runner_waits(task.queue)
         try:
-            with self.stall.waiting(f"{self._label(task) or 'a call'}: {waiter.what}"):
+            with self.stall.waiting("{}: {}", task or "a call", waiter.what):
                 body, tensors, specs, ready = waiter.wait(self.aborted)
         finally:
             if serving:
@@ -861,7 +862,7 @@ class PipelineRuntime:
             self._window_waiting[mb] += 1
         self._serve_runner_waits(task.queue)
         try:
-            with self._flow, self.stall.waiting(f"{self._label(task)}: a place in this stage's window of {limit}"):
+            with self._flow, self.stall.waiting("{}: a place in this stage's window of {}", task, limit):
                 while mb not in self._window_live and (len(self._window_live) >= limit
                                                        or mb != min(self._window_waiting)):
                     if self._error is not None:

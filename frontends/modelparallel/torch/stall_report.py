@@ -28,7 +28,7 @@ class StallReport:
         self.header: Callable[[], str] = lambda: "smp"  # names the rank and step (set by the runtime)
         self._lock = threading.Lock()
         self._keys = itertools.count()
-        self._waits: Dict[int, Tuple[str, float]] = {}  # key -> (what waits for what, since)
+        self._waits: Dict[int, Tuple[str, tuple, float]] = {}  # key -> (format, its arguments, since)
         self.new_step()
 
     def new_step(self) -> None:
@@ -44,11 +44,12 @@ class StallReport:
         self.heard_this_step = True
 
     @contextmanager
-    def waiting(self, what: str):
-        """Marks the calling task as waiting, for `what`, until the block ends."""
+    def waiting(self, what: str, *args):
+        """Marks the calling task as waiting until the block ends; `what.format(*args)` says for
+        what (formatted only for a report: the waits are on every microbatch's path)."""
         key = next(self._keys)
         with self._lock:
-            self._waits[key] = (what, time.perf_counter())
+            self._waits[key] = (what, args, time.perf_counter())
         try:
             yield
         finally:
@@ -65,7 +66,7 @@ class StallReport:
             quiet = now - max(self._heard_at, self._started_at, token.changed_at)
             if quiet < self.after_s or now - self._reported_at < self.after_s:
                 return None
-            waits = [f"{what} (for {now - since:.0f} s)" for what, since in self._waits.values()]
+            waits = [f"{what.format(*args)} (for {now - since:.0f} s)" for what, args, since in self._waits.values()]
         waits += extra()
         if not waits:
             return None  # nothing here waits for a peer: this rank is not part of a stall
@@ -73,7 +74,7 @@ class StallReport:
         report = (f"smp: {self.header()}: nothing arrived from the other pipeline ranks and no compute started "
                   f"or ended here for {quiet:.0f} s (SMDDP_STALL_WARNING={self.after_s:g}), and nothing computes "
                   f"here. {token.describe()}Waiting: {'; '.join(waits)}. A stage that computes this long is only "
-                  "slow; otherwise a rank "
-                  "is stuck (in user code or a CUDA operation) or the ranks are not running the same step.")
+                  "slow; otherwise a rank is stuck (in user code or a CUDA operation) or the ranks are not running "
+                  "the same step.")
         log.warning(report)
         return report

@@ -28,13 +28,9 @@ class TaskHandle:
         self._done = threading.Event()
         self.error: Optional[BaseException] = None  # what escaped the task, if anything
 
-    def join(self, timeout: Optional[float] = None) -> bool:
-        """Waits for the task (at most `timeout` seconds if given); whether it is done."""
-        if timeout is not None:
-            return self._done.wait(timeout)
-        while not self._done.wait(0.5):
-            pass
-        return True
+    def join(self, timeout: float) -> bool:
+        """Waits for the task, at most `timeout` seconds; whether it is done."""
+        return self._done.wait(timeout)
 
     def is_alive(self) -> bool:
         return not self._done.is_set()

@@ -93,7 +93,27 @@ def init(config: Optional[Dict[str, Any]] = None) -> None:
     state.topo = topo
     state.local_rank = int(os.environ.get("LOCAL_RANK", 0))
     state.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if state.cuda_links:
+        _open_cuda_links(topo)
     state.initialized = True
+
+
+def _open_cuda_links(topo: Topology) -> None:
+    """Send one byte over every CUDA link this rank is on, so that each link's NCCL
+    communicator is made here, on the main thread, before any step. Left to its first use, each
+    was made during the first step, on pipeline threads, beside that step's other NCCL work.
+    Every rank walks the links in one order, (a, b) sorted, and each exchange blocks: the first
+    pending link in that order always has both its ranks at it, so this cannot deadlock."""
+    dev = device()
+    ranks = topo.pp_group_of(topo.dp_rank)
+    with torch.cuda.device(dev):
+        byte = torch.zeros(1, dtype=torch.uint8, device=dev)
+        for (a, b), group in sorted(state.cuda_links.items()):
+            if topo.pp_rank == a:
+                dist.send(byte, ranks[b], group=group)
+            else:
+                dist.recv(byte, ranks[a], group=group)
+        torch.cuda.synchronize(dev)
 
 
 def _p2p_max_ctas() -> int:

@@ -293,6 +293,10 @@ def main():
         base = smp._state.cfg
         suffixes = ([] if args.no_eager and args.graphs else [""]) + (["_graphs"] if args.graphs else []) + \
             (["_ckpt"] if args.act_ckpt else [])
+        if args.graphs and args.no_eager:
+            # The runtime is made at the first step, with graphs on only if the variable says so:
+            # without it the first configuration ran eagerly (session 25's m = 4 figures).
+            os.environ["SMDDP_SMP_CUDA_GRAPHS"] = "1"
         for suffix in suffixes:
             if suffix == "_ckpt":  # every encoder layer keeps only its input; activations recomputed in backward
                 smp.set_activation_checkpointing(model.module, strategy="each")

@@ -283,7 +283,10 @@ class PipelineRuntime:
         finally:
             self.graphs.release_all()  # frames that never had a backward (evaluation, a failure)
         if self._error is None:
+            self.graphs.flush_gradients()
             self.graphs.after_step()
+        else:
+            self.graphs.discard_gradients()
         if self._error is not None:
             self._broken = str(self._error)
             if isinstance(self._error, StepFailed):
@@ -392,6 +395,7 @@ class PipelineRuntime:
                     or self._serving_backward):
                 return
             self._grads_final_fired = True
+        self.graphs.flush_gradients()  # the graphed runs' share, before the reduction reads .grad
         self.on_grads_final()
 
     def _admitted(self, mb: int) -> bool:

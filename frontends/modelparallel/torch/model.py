@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import grad_sync, partial_state
 from .state_merge import everyone_has_own_part, merge_over_pipeline
-from .activation_checkpointing import checkpointed
+from .activation_checkpointing import checkpoint_options, checkpointed
 from .blas_workspaces import free_blas_workspaces
 from .nested import is_mapping, mapping_like
 from .optimizer import follow_parameters
@@ -395,7 +395,7 @@ class DistributedModel(nn.Module):
         def forward(*args, **kwargs):
             if owner != me:
                 return runtime.call_remote(owner, path, None, args, kwargs)
-            if getattr(module, "_smp_checkpoint", None) is not None:
+            if checkpoint_options(module) is not None:
                 if spans_partitions:
                     raise RuntimeError(f"smp: module '{path or '<root>'}' is marked for activation checkpointing "
                                        "but has submodules on other partitions; mark modules within one partition")

@@ -36,6 +36,7 @@ from smdistributed.common import config
 from .blas_workspaces import free_blas_workspaces
 from .stall_report import StallReport
 from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
+from .activation_checkpointing import checkpoint_options
 from .stage_graphs import StageGraphs
 from .wire import Links, Message, QuietLink, encode, take
 from .timeline import Timeline
@@ -236,6 +237,8 @@ class PipelineRuntime:
             raise StepFailed(f"smp.step: an earlier step failed ({self._broken}); the pipeline cannot continue")
         self._step += 1
         self._reset()
+        # Nothing of an earlier step that left through an exception may be added to this one's.
+        self.graphs.discard_gradients()
         # Enough workers for every task this step can have at once: microbatches and receivers
         # (served calls run on their own pool).
         self._pool.ensure(len(microbatches) + self.pp_size + 1)
@@ -283,10 +286,12 @@ class PipelineRuntime:
         finally:
             self.graphs.release_all()  # frames that never had a backward (evaluation, a failure)
         if self._error is None:
-            self.graphs.flush_gradients()
-            self.graphs.after_step()
-        else:
-            self.graphs.discard_gradients()
+            try:
+                self.graphs.flush_gradients()
+            except BaseException as e:  # out of memory, say: the step failed here
+                self._abort(StepFailed(self._describe("adding the graphed runs' gradients to .grad", e)))
+            else:
+                self.graphs.after_step()
         if self._error is not None:
             self._broken = str(self._error)
             if isinstance(self._error, StepFailed):
@@ -677,7 +682,7 @@ class PipelineRuntime:
             self._graphable_runs[run_id] = subs
         # Checked at each call: a module may be marked, or get hooks, after the partition. A
         # replay would skip a hook's Python (it ran at the capture only).
-        return bool(subs) and all(getattr(m, "_smp_checkpoint", None) is None and not _has_hooks(m) for m in subs)
+        return bool(subs) and all(checkpoint_options(m) is None and not _has_hooks(m) for m in subs)
 
     def _send_in_turn(self, dst: int, msg: Message) -> List[torch.Tensor]:
         """Sends a message whose order the peer sees (it serves each kind in arrival order): the

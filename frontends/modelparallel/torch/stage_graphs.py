@@ -40,7 +40,9 @@ backward pool no longer held a whole set of gradients at once, but its hundred s
 a replay made pp=2 at m = 8, 2 active, 7% slower.) Hooks registered on a parameter's gradient
 accumulation do not run for a graphed run.
 
-Results equal the eager run's (the same kernels on the same data); Python code inside the run
+Results equal the eager run's (the same kernels on the same data), up to the rounding of the
+order in which microbatches' gradients are summed (the graphed ones first, then into `.grad`);
+Python code inside the run
 that would decide differently from call to call (data-dependent branches, a step counter)
 does not, which is why this is opt-in. Capture uses CUDA's thread-local capture mode: the
 receiver threads go on issuing NCCL work while a stage captures. A run that cannot be graphed
@@ -128,11 +130,11 @@ def _named_params_needing_grad(modules: Sequence[nn.Module]):
 
 
 class _GradBuffers:
-    """The buffers that a run's backward graphs write its parameters' gradients into: one set
-    per run, shared by all its instances and shapes. Sharing is safe because a backward
-    replay's gradients are added to `.grad` right after it, on the one stream where every
-    backward replays, under one lock (see the module's doc). It saves the size of the run's
-    parameters for each instance beyond the first."""
+    """The buffers that a run's backward graphs add its parameters' gradients to: one set per
+    run, shared by all its instances and shapes, gathering the step's microbatches. Sharing is
+    safe because every backward replays on one stream under one lock, and the sum goes to
+    `.grad` once the rank's backward work is done (see the module's doc). It saves the size of
+    the run's parameters for each instance beyond the first."""
 
     def __init__(self):
         self._sets: Dict[tuple, tuple] = {}  # run id -> (the parameters it was made for, buffers)
@@ -172,9 +174,10 @@ class _StepAccumulator:
 
     def flush(self) -> None:
         """Adds the buffered gradients to `.grad` (a new `.grad` where there is none), on the
-        stream where the replays ran."""
+        stream where the replays ran. Forgotten only once their kernels are launched: a flush
+        that raises (out of memory, say) fails the step and leaves them to discard()."""
         with self.lock:
-            pending, self._pending = list(self._pending.values()), {}
+            pending = list(self._pending.values())
             if not pending:
                 return
             device = pending[0][1][0].device
@@ -196,6 +199,7 @@ class _StepAccumulator:
                     torch._foreach_copy_(fresh, fresh_src)
                 if adds:
                     torch._foreach_add_(adds, add_src)
+            self._pending = {}
 
     def discard(self) -> None:
         with self.lock:
@@ -423,11 +427,20 @@ class StageGraphs:
     def _fingerprint(modules) -> tuple:
         """What a capture took as fixed besides the input's shape: every submodule's mode
         (a BatchNorm put in eval), which parameters need a gradient, and which tensors the
-        parameters and buffers are (replaced ones, even on the same memory, start over)."""
-        subs = [sub for m in modules for sub in m.modules()]
+        parameters and buffers are (replaced ones, even on the same memory, start over).
+        Taken at every graphed call, so it reads the modules' own dicts: Module.modules() and
+        parameters(recurse=False) cost 420 us a call for 8 encoder layers on this project's
+        VM, this about a fifth of that. (A module shared by two parents is visited twice,
+        the same way at every call.)"""
+        subs, stack = [], list(reversed(modules))
+        while stack:
+            m = stack.pop()
+            subs.append(m)
+            stack.extend(reversed([c for c in m._modules.values() if c is not None]))
+        params = [p for sub in subs for p in sub._parameters.values() if p is not None]
         return (tuple(sub.training for sub in subs),
-                tuple((id(p), p.data_ptr(), p.requires_grad) for sub in subs for p in sub.parameters(recurse=False)),
-                tuple(b.data_ptr() for sub in subs for b in sub.buffers(recurse=False)))
+                tuple((id(p), p.data_ptr(), p.requires_grad) for p in params),
+                tuple(b.data_ptr() for sub in subs for b in sub._buffers.values() if b is not None))
 
     def _lease(self, key, modules, x) -> Optional[_Instance]:
         fingerprint = self._fingerprint(modules)

@@ -19,7 +19,9 @@ import torch.nn as nn  # noqa: E402
 import smdistributed.modelparallel.torch as smp  # noqa: E402
 from smdistributed.modelparallel.torch.config import ConfigError, resolve  # noqa: E402
 from smdistributed.modelparallel.torch.partition import _linear_partition, auto_assignment  # noqa: E402
+from smdistributed.modelparallel.torch.activation_checkpointing import checkpoint_options  # noqa: E402
 from smdistributed.modelparallel.torch.scheduler import ComputeToken  # noqa: E402
+from smdistributed.modelparallel.torch.stage_graphs import StageGraphs  # noqa: E402
 from smdistributed.modelparallel.torch.step import StepOutput, split_arguments  # noqa: E402
 from smdistributed.modelparallel.torch.topology import Topology  # noqa: E402
 from smdistributed.modelparallel.torch.trace import Tracer  # noqa: E402
@@ -433,6 +435,36 @@ def test_fused_novograd_makes_apexs_update(options):
         smp.optimizers.FusedNovoGrad(params, norm_type=1)
     with pytest.raises(RuntimeError, match="AMSGrad"):
         smp.optimizers.FusedNovoGrad(params, amsgrad=True)
+
+
+def test_a_graphed_runs_fingerprint_changes_with_whatever_its_capture_took_as_fixed():
+    """A captured run is replayed only while its fingerprint is unchanged; a stale graph would
+    train the old parameters or the old mode. Every change a capture cannot follow changes it:
+    a submodule's mode, a parameter's requires_grad or tensor, a replaced submodule or buffer.
+    The same modules give the same fingerprint."""
+    run = [nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 2)]
+    fp = StageGraphs._fingerprint
+    base = fp(run)
+    assert fp(run) == base
+    run[0].eval()
+    assert fp(run) != base
+    run[0].train()
+    assert fp(run) == base
+    run[1].weight.requires_grad_(False)
+    assert fp(run) != base
+    run[1].weight.requires_grad_(True)
+    run[1].weight.data = run[1].weight.data.clone()
+    moved = fp(run)
+    assert moved != base
+    run[0][1].running_mean = torch.zeros(4)
+    assert fp(run) != moved
+    before = fp(run)
+    run[0][0] = nn.Linear(4, 4)
+    assert fp(run) != before
+    # The activation-checkpointing mark, read from the module's own dict on every module call.
+    assert checkpoint_options(run[1]) is None
+    smp.set_activation_checkpointing(run[1])
+    assert checkpoint_options(run[1]) == {"preserve_rng_state": True}
 
 
 def test_the_compute_tokens_release_hook_runs_on_the_holder_before_anyone_else_computes():

@@ -21,7 +21,7 @@ from smdistributed.modelparallel.torch.config import ConfigError, resolve  # noq
 from smdistributed.modelparallel.torch.partition import _linear_partition, auto_assignment  # noqa: E402
 from smdistributed.modelparallel.torch.activation_checkpointing import checkpoint_options  # noqa: E402
 from smdistributed.modelparallel.torch.scheduler import ComputeToken  # noqa: E402
-from smdistributed.modelparallel.torch.stage_graphs import StageGraphs  # noqa: E402
+from smdistributed.modelparallel.torch.stage_graphs import StageGraphs, _StepAccumulator  # noqa: E402
 from smdistributed.modelparallel.torch.step import StepOutput, split_arguments  # noqa: E402
 from smdistributed.modelparallel.torch.topology import Topology  # noqa: E402
 from smdistributed.modelparallel.torch.trace import Tracer  # noqa: E402
@@ -465,6 +465,57 @@ def test_a_graphed_runs_fingerprint_changes_with_whatever_its_capture_took_as_fi
     assert checkpoint_options(run[1]) is None
     smp.set_activation_checkpointing(run[1])
     assert checkpoint_options(run[1]) == {"preserve_rng_state": True}
+
+
+class _Replayed:
+    """What the step accumulator reads of a graphed instance: its run's parameters, the run's
+    gradient buffers, and which parameters its backward reaches."""
+
+    def __init__(self, params, buffers, used):
+        self.params, self.param_grad_out, self.used, self.used_set = params, buffers, used, frozenset(used)
+
+    def replay(self, acc, grads):
+        """One backward replay: what the graph does to the buffers, after acc.begin."""
+        with acc.lock:
+            acc.begin(self)
+            for i in self.used:
+                self.param_grad_out[i].add_(grads[i])
+
+
+def test_graphed_gradients_gather_over_the_step_and_reach_grad_once():
+    """The bookkeeping of graphed runs' gradients (stage_graphs._StepAccumulator), on CPU
+    tensors: the buffers are zeroed at the step's first replay only, whatever they held; the
+    flush adds the step's sum to .grad (a new .grad where there is none, an addition where the
+    user kept one) and only for parameters a replay reached; a shape of the run that reaches
+    more parameters zeroes those first; a discarded step adds nothing and the next starts
+    from zero."""
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(3)) for _ in range(3)]
+    buffers = [torch.full((3,), 7.0) for _ in params]  # stale contents: never read before a zeroing
+    acc = _StepAccumulator()
+    short = _Replayed(params, buffers, [0, 1])  # reaches parameters 0 and 1
+    full = _Replayed(params, buffers, [0, 1, 2])
+    g = [[torch.randn(3) for _ in params] for _ in range(4)]
+    params[1].grad = torch.ones(3)  # kept from before the step (accumulation over steps)
+    short.replay(acc, g[0])
+    short.replay(acc, g[1])
+    full.replay(acc, g[2])  # parameter 2 joins: zeroed first, then added to
+    # Nothing reaches .grad before the flush.
+    assert params[0].grad is None and params[2].grad is None and torch.equal(params[1].grad, torch.ones(3))
+    acc.flush()
+    assert torch.allclose(params[0].grad, g[0][0] + g[1][0] + g[2][0])
+    assert torch.allclose(params[1].grad, 1 + g[0][1] + g[1][1] + g[2][1])
+    assert torch.allclose(params[2].grad, g[2][2])
+    acc.flush()  # nothing pending: nothing added twice
+    assert torch.allclose(params[2].grad, g[2][2])
+    # A step that failed: its replays are forgotten, the next step's first replay zeroes again.
+    for p in params:
+        p.grad = None
+    short.replay(acc, g[3])
+    acc.discard()
+    short.replay(acc, g[0])
+    acc.flush()
+    assert torch.allclose(params[0].grad, g[0][0]) and params[2].grad is None
 
 
 def test_the_compute_tokens_release_hook_runs_on_the_holder_before_anyone_else_computes():

@@ -52,6 +52,7 @@ for a reason known before capturing runs eagerly; a capture CUDA refuses fails t
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 import threading
 from typing import Dict, List, Optional, Sequence
 
@@ -181,7 +182,7 @@ class _StepAccumulator:
             if not pending:
                 return
             device = pending[0][1][0].device
-            with torch.cuda.stream(torch.cuda.default_stream(device)):
+            with torch.cuda.stream(torch.cuda.default_stream(device)) if device.type == "cuda" else nullcontext():
                 adds, add_src, fresh, fresh_src = [], [], [], []
                 for params, buffers, used in pending:
                     for i in sorted(used):

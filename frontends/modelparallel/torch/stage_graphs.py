@@ -42,9 +42,8 @@ accumulation do not run for a graphed run.
 
 Results equal the eager run's (the same kernels on the same data), up to the rounding of the
 order in which microbatches' gradients are summed (the graphed ones first, then into `.grad`);
-Python code inside the run
-that would decide differently from call to call (data-dependent branches, a step counter)
-does not, which is why this is opt-in. Capture uses CUDA's thread-local capture mode: the
+Python code inside the run that would decide differently from call to call (data-dependent
+branches, a step counter) does not, which is why this is opt-in. Capture uses CUDA's thread-local capture mode: the
 receiver threads go on issuing NCCL work while a stage captures. A run that cannot be graphed
 for a reason known before capturing runs eagerly; a capture CUDA refuses fails the step
 (CaptureFailed) rather than leave torch's CUDA state half in capture mode under eager runs.
@@ -52,8 +51,8 @@ for a reason known before capturing runs eagerly; a capture CUDA refuses fails t
 from __future__ import annotations
 
 import logging
-from contextlib import nullcontext
 import threading
+from contextlib import nullcontext
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -167,7 +166,7 @@ class _StepAccumulator:
         if entry is None:
             if inst.used:
                 torch._foreach_zero_([inst.param_grad_out[i] for i in inst.used])
-            self._pending[key] = (inst.params, inst.param_grad_out, set(inst.used))
+            self._pending[key] = (inst.params, inst.param_grad_out, set(inst.used_set))
         elif not inst.used_set <= entry[2]:  # another shape of the run reached other parameters
             fresh = [i for i in inst.used if i not in entry[2]]
             torch._foreach_zero_([inst.param_grad_out[i] for i in fresh])
@@ -331,7 +330,7 @@ class StageGraphs:
         self._stream: Optional[torch.cuda.Stream] = None
         self._backward_pool = None  # every backward graph's temporaries (see the module's doc)
         self._grad_buffers = _GradBuffers()
-        self.accumulator = _StepAccumulator()  # the step's graphed gradients, and the replays' lock
+        self._accumulator = _StepAccumulator()  # the step's graphed gradients, and the replays' lock
         self._captures_seen = 0  # captures when the cache was last given back (after_step)
         self._tls = threading.local()
 
@@ -368,15 +367,15 @@ class StageGraphs:
     def flush_gradients(self) -> None:
         """Adds the graphed runs' gradients of this step to `.grad`: called once this rank's
         backward work of the step is done, before anything reads `.grad`."""
-        self.accumulator.flush()
+        self._accumulator.flush()
 
     def discard_gradients(self) -> None:
         """Forgets the gradients of a step that failed (the next step zeroes the buffers)."""
-        self.accumulator.discard()
+        self._accumulator.discard()
 
     def clear(self) -> None:
         """Drops every captured instance and its memory (between steps only)."""
-        self.accumulator.flush()
+        self._accumulator.flush()
         with self._lock:
             self._entries.clear()
             self._refused.clear()
@@ -493,7 +492,7 @@ class StageGraphs:
             # The shared gradient buffers are made outside the capture (the general pool).
             params = [p for _, p in _named_params_needing_grad(modules)]
             return _Instance(modules, x, self._stream, autocast_dtype, self._backward_pool,
-                             self._grad_buffers.get(run_id, params), self.accumulator)
+                             self._grad_buffers.get(run_id, params), self._accumulator)
         finally:
             self._tls.depth -= 1
 

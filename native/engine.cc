@@ -128,6 +128,9 @@ void Engine::complete(const std::shared_ptr<Entry>& e, const std::string& error)
     std::lock_guard<std::mutex> lock(mutex_);
     if (e->done) return;
     e->error = error;
+    // Counted before done becomes visible under the lock: a caller that sees its work done
+    // and then reads counters() finds it counted (the engine tests read counters per step).
+    (error.empty() ? counters_.completed : counters_.failed)++;
     e->done = true;
     if (!e->is_p2p) in_flight_names_.erase(e->name);
     if (!e->sig.check_only) {
@@ -139,7 +142,6 @@ void Engine::complete(const std::shared_ptr<Entry>& e, const std::string& error)
       completion_cv_.notify_all();
     }
   }
-  (error.empty() ? counters_.completed : counters_.failed)++;
   done_cv_.notify_all();
 }
 

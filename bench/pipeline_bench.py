@@ -16,7 +16,8 @@ step processes B x replicas samples, and the speedup is in samples/s over one de
 Model (GPU): 16 TransformerEncoderLayers (width 1024, 16 heads, ffn 4096), bf16 parameters,
 batch 64 x 256, loss = mean square of the output, SGD; split 8 + 8 (the anchor's setup).
 Prints one 'RESULT {json}' line on rank 0: step time, samples/s, speedup over one device
-(ideal P*m/(m+P-1)), idle fraction 1 - speedup/P (bubble plus overheads), peak memory per rank.
+(ideal P*m/(m+P-1)), idle fraction 1 - speedup/P (bubble plus overheads), peak memory per rank,
+and each rank's CPU time a step (cpu_ms: all the process's threads, the host's work).
 
 Peak memory: on GPUs, torch's max_memory_allocated over the warm-up and timed steps
 (peak_gb; the warm-up holds the stage graphs' captures) and over the timed steps alone
@@ -137,15 +138,19 @@ def step_rss_peak_gb(step, rank_sync, steps=2):
     return worst / 2**30
 
 
+last_cpu_ms = [0.0]  # the process's CPU time (all its threads) per timed step, of the last timed()
+
+
 def timed(step, rank_sync):
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
             sync()
             end_warmup_peaks()
             rank_sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
         step()
     sync()
+    last_cpu_ms[0] = (time.process_time() - c0) / args.steps * 1e3
     return (time.perf_counter() - t0) / args.steps
 
 
@@ -192,6 +197,7 @@ def main():
                device=torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu")
     peer_backend = "nccl" if args.device == "cuda" else "gloo"
     peer_group = dist.new_group(backend=peer_backend)
+    cpu_group = dist.new_group(backend="gloo") if peer_backend != "gloo" else peer_group  # CPU figures
     # The peer's pipeline and replica groups: the ranks of smp's, on the peer's backend.
     peer_pp, peer_dp = (peer_groups_like(g, peer_backend, peer_group)
                         for g in (smp.get_pp_process_group(), smp.get_dp_process_group()))
@@ -203,7 +209,13 @@ def main():
     def record(name, t, m, peaks, replicas=args.dp, extra=None):
         """m: microbatches (None: no pipeline); replicas: batches of B samples per step."""
         peaks, held, reserved, steady, steady_reserved = peaks
-        entry = dict(step_ms=t * 1e3, samples_s=replicas * B / t, peak_gb=peaks, **(extra or {}))
+        # The host's work: CPU ms a step on each rank, every thread of the process (a busy
+        # wait counts too). On GPUs, what bounds a step when kernels are short.
+        cpu = torch.tensor([last_cpu_ms[0]])
+        cpus = [torch.zeros_like(cpu) for _ in range(world)]
+        dist.all_gather(cpus, cpu, group=cpu_group)
+        entry = dict(step_ms=t * 1e3, samples_s=replicas * B / t, peak_gb=peaks,
+                     cpu_ms=[round(c.item(), 2) for c in cpus], **(extra or {}))
         if args.device == "cuda":
             entry["held_before_gb"] = held
             # Reserved counts what graph pools hold between replays (allocated does not).

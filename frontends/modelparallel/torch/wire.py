@@ -93,12 +93,17 @@ def encode(msg: Message) -> Tuple[bytes, List[torch.Tensor], List[TensorSpec]]:
 def header_for(meta: bytes) -> Tuple[torch.Tensor, int]:
     """A message's header (the meta's length, then as much of the meta as fits) and how many
     bytes of the meta it carries; the rest goes as TAG_META."""
-    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
-    header[:_LEN] = torch.frombuffer(bytearray(len(meta).to_bytes(_LEN, "little")), dtype=torch.uint8)
     inline = min(len(meta), HEADER_BYTES - _LEN)
-    if inline:
-        header[_LEN:_LEN + inline] = torch.frombuffer(bytearray(meta[:inline]), dtype=torch.uint8)
-    return header, inline
+    raw = bytearray(HEADER_BYTES)  # zeroed; built in bytes and wrapped once (one tensor op, not four)
+    raw[:_LEN] = len(meta).to_bytes(_LEN, "little")
+    raw[_LEN:_LEN + inline] = meta[:inline]
+    return torch.frombuffer(raw, dtype=torch.uint8), inline
+
+
+def _as_sendable(t: torch.Tensor) -> torch.Tensor:
+    """What the process group moves for `t`: complex tensors as their real view, as
+    torch.distributed's own send and recv do."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def decode(meta: bytes, tensors: List[torch.Tensor]) -> Message:
@@ -115,8 +120,15 @@ class Links:
         self._ranks = pp_ranks  # global rank of each pipeline rank
         self._me = me
         self._cuda_groups = cuda_groups  # (src pp rank, dst pp rank) -> one-way group
+        self._cuda_ranks: Dict[Tuple[int, int], int] = {}  # (src, dst) -> the peer's rank in that group
         self._device = device
         self._locks = {p: threading.Lock() for p in range(len(pp_ranks)) if p != me}
+        # Messages go through the process groups' own send and recv, with each peer's rank in
+        # the group worked out once: torch.distributed's isend and recv translate the rank and
+        # wrap the call at every message (about a third of a message's host time on CPUs).
+        self._group_rank: Dict[int, int] = {}  # pipeline rank -> its rank in pp_group (see _rank_of)
+        # The header buffer each peer's receiver thread (the only reader of that link) reuses.
+        self._headers = {p: torch.empty(HEADER_BYTES, dtype=torch.uint8) for p in self._locks}
         # Sends that reserve a turn (Links.reserve) go out in the order of their reservations,
         # per peer and message kind: the peer queues each kind apart (forward calls, backward
         # requests), so a backward never waits for a forward's turn.
@@ -204,12 +216,13 @@ class Links:
         stream = None
         if made_at is not None and any(t.is_cuda for t in tensors):
             stream = self._send_streams[dst]
+        to = self._rank_of(dst)
         with self._locks[dst]:
-            works = [dist.isend(header, peer, group=self._group, tag=TAG_HEADER)]
+            works = [self._group.send([header], to, TAG_HEADER)]
             held = []  # contiguous copies must live until their sends finish
             if len(meta) > inline:
                 rest = torch.frombuffer(bytearray(meta[inline:]), dtype=torch.uint8)
-                works.append(dist.isend(rest, peer, group=self._group, tag=TAG_META))
+                works.append(self._group.send([rest], to, TAG_META))
             launched = []
             # The flush below makes NCCL wait for the current stream: the link's send stream,
             # when the message says where its tensors were made.
@@ -219,12 +232,13 @@ class Links:
                 for t in tensors:
                     if stream is not None and t.is_cuda:
                         t.record_stream(stream)  # read here (the copy below) after the caller may drop it
-                    data = t.detach().contiguous()
+                    data = _as_sendable(t.detach().contiguous())
                     held.append(data)
                     if data.is_cuda:
-                        launched.append(dist.isend(data, peer, group=self._cuda_group(self._me, dst)))
+                        group, rank_there = self._cuda_group(self._me, dst, peer)
+                        launched.append(group.send([data], rank_there, 0))
                     else:
-                        works.append(dist.isend(data, peer, group=self._group, tag=TAG_PAYLOAD))
+                        works.append(self._group.send([data], to, TAG_PAYLOAD))
                 for w in works:
                     w.wait()
                 # A CUDA send is launched (is_completed flushes held-back point-to-point work)
@@ -237,9 +251,10 @@ class Links:
         """The next message from pipeline rank `src` (only its receiver thread calls this), and
         a CUDA event that the consumer's stream must wait for before it uses the tensors."""
         peer = self._ranks[src]
-        header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        frm = self._rank_of(src)
+        header = self._headers[src]
         try:
-            dist.recv(header, peer, group=self._group, tag=TAG_HEADER)
+            self._group.recv([header], frm, TAG_HEADER).wait()
         except RuntimeError as e:
             if "made no progress" in str(e):
                 raise QuietLink(str(e)) from e
@@ -253,7 +268,7 @@ class Links:
         meta = raw[_LEN:_LEN + min(n, HEADER_BYTES - _LEN)]
         if n > len(meta):
             rest = torch.empty(n - len(meta), dtype=torch.uint8)
-            dist.recv(rest, peer, group=self._group, tag=TAG_META)
+            self._group.recv([rest], frm, TAG_META).wait()
             meta += rest.numpy().tobytes()
         specs, body = pickle.loads(meta)
         tensors = []
@@ -263,22 +278,34 @@ class Links:
                 stream = self._recv_streams[src]
                 with torch.cuda.stream(stream):
                     t = torch.empty(s.shape, dtype=s.dtype, device=self._device)
-                    dist.recv(t, peer, group=self._cuda_group(src, self._me))
+                    group, rank_there = self._cuda_group(src, self._me, peer)
+                    group.recv([_as_sendable(t)], rank_there, 0).wait()
                 ready = torch.cuda.Event()
                 ready.record(stream)
             else:
                 t = torch.empty(s.shape, dtype=s.dtype)
-                dist.recv(t, peer, group=self._group, tag=TAG_PAYLOAD)
+                self._group.recv([_as_sendable(t)], frm, TAG_PAYLOAD).wait()
             tensors.append(t)
         return decode(body, tensors), tensors, specs, ready
 
 
-    def _cuda_group(self, src: int, dst: int):
+    def _rank_of(self, p: int) -> int:
+        """Pipeline rank `p`'s rank in the pipeline group (worked out at the first message)."""
+        r = self._group_rank.get(p)
+        if r is None:
+            r = self._group_rank[p] = dist.get_group_rank(self._group, self._ranks[p])
+        return r
+
+    def _cuda_group(self, src: int, dst: int, peer: int):
+        """The one-way group of (src, dst) and the rank in it of `peer` (a global rank)."""
         group = self._cuda_groups.get((src, dst))
         if group is None:
             raise RuntimeError("smp: a CUDA tensor crosses a partition boundary but CUDA links were not "
                                "made at smp.init (was CUDA unavailable then?)")
-        return group
+        rank_there = self._cuda_ranks.get((src, dst))
+        if rank_there is None:
+            rank_there = self._cuda_ranks[src, dst] = dist.get_group_rank(group, peer)
+        return group, rank_there
 
 
 def take(tensors: List[torch.Tensor], ready) -> None:

@@ -378,11 +378,12 @@ class PipelineRuntime:
         start together, and whichever the OS ran first would otherwise take the token (measured:
         the root sent microbatch 2's forward before microbatch 0's, and every stage after it
         worked out of order, delaying the first backward)."""
-        with self._flow, self.stall.waiting("microbatch {}: microbatch {}'s first compute", task.mb, task.mb - 1):
-            while self._first_computed < task.mb:
-                if self._error is not None:
-                    raise self._error
-                self._flow.wait(0.5)
+        if self._first_computed < task.mb:  # (it only grows: once enough, no need to wait or lock)
+            with self._flow, self.stall.waiting("microbatch {}: microbatch {}'s first compute", task.mb, task.mb - 1):
+                while self._first_computed < task.mb:
+                    if self._error is not None:
+                        raise self._error
+                    self._flow.wait(0.5)
         self._token.acquire(self._prio(task), self._label(task))
         with self._flow:
             self._first_computed = max(self._first_computed, task.mb + 1)
@@ -641,6 +642,8 @@ class PipelineRuntime:
         """Between the layers of a long local run: the holder steps aside when an older
         microbatch's work waits (its backward, under "interleaved"), instead of making it wait
         for the whole run."""
+        if not self._token.anyone_waits():  # the common case between layers, cheaply
+            return
         task = current_task()
         # Forward only: a recomputation inside backward (activation checkpointing) must not block.
         if task is None or task.phase != FORWARD or not self._token.older_work_waits(self._prio(task)):

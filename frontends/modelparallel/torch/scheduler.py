@@ -159,6 +159,11 @@ class ComputeToken:
                     self._timeline.add(self._label, "compute", self._since, now)
                 self._since, self._label = now, label
 
+    def anyone_waits(self) -> bool:
+        """Whether any task waits for the token or is expected to ask (read without the lock:
+        a hint, for a fast path; older_work_waits decides)."""
+        return bool(self._queue) or bool(self._expected)
+
     def older_work_waits(self, prio) -> bool:
         """Whether a task of smaller priority (older work) waits for the token."""
         with self._lock:

@@ -16,7 +16,6 @@ import itertools
 import logging
 import threading
 import time
-from contextlib import contextmanager
 from typing import Callable, Dict, List, Optional, Tuple
 
 log = logging.getLogger("smdistributed.modelparallel")
@@ -43,18 +42,11 @@ class StallReport:
         self._heard_at = time.perf_counter()
         self.heard_this_step = True
 
-    @contextmanager
-    def waiting(self, what: str, *args):
+    def waiting(self, what: str, *args) -> "_Waiting":
         """Marks the calling task as waiting until the block ends; `what.format(*args)` says for
-        what (formatted only for a report: the waits are on every microbatch's path)."""
-        key = next(self._keys)
-        with self._lock:
-            self._waits[key] = (what, args, time.perf_counter())
-        try:
-            yield
-        finally:
-            with self._lock:
-                del self._waits[key]
+        what (formatted only for a report: the waits are on every microbatch's path, which is
+        also why this is a plain class and not a generator context manager)."""
+        return _Waiting(self, what, args)
 
     def check(self, token, extra: Callable[[], List[str]]) -> Optional[str]:
         """Logs (and returns) a report if the step has stood still for the period and none was
@@ -78,3 +70,21 @@ class StallReport:
                   "the same step.")
         log.warning(report)
         return report
+
+
+class _Waiting:
+    """One wait of StallReport.waiting, listed while its block runs."""
+    __slots__ = ("_report", "_entry", "_key")
+
+    def __init__(self, report: StallReport, what: str, args: tuple):
+        self._report, self._entry = report, (what, args)
+
+    def __enter__(self) -> None:
+        report = self._report
+        self._key = next(report._keys)
+        with report._lock:
+            report._waits[self._key] = (*self._entry, time.perf_counter())
+
+    def __exit__(self, *exc) -> None:
+        with self._report._lock:
+            del self._report._waits[self._key]

@@ -10,8 +10,8 @@ unchanged and the tensors go as raw data:
     tensors  one message each: CPU tensors on the pipeline group (tag TAG_PAYLOAD), CUDA
              tensors on the one-way group of this (sender, receiver) pair, through NCCL
 
-The meta is (tensor specs, pickled body). A link carries messages one after another: senders
-to one peer hold that peer's lock while they post and finish a message, and one receiver
+The meta is (tensor specs, kind, fields, pickled body). A link carries messages one after
+another: senders to one peer hold that peer's lock while they post and finish a message, and one receiver
 thread per peer reads them in order, so the parts of two messages never interleave (NCCL has
 no tags: a one-way group with one writer and one reader keeps its order).
 """
@@ -78,16 +78,21 @@ class _Unpickler(pickle.Unpickler):
 
 def encode(msg: Message) -> Tuple[bytes, List[torch.Tensor], List[TensorSpec]]:
     """The meta bytes and the tensors of `msg`, in the order the receiver will rebuild them.
-    The tensors are the caller's own (with their autograd history): only their data is sent."""
+    The tensors are the caller's own (with their autograd history): only their data is sent.
+    Only the body goes through the pickler that finds tensors (a Python call per object);
+    the kind and fields hold none and are pickled with the meta."""
     tensors: List[torch.Tensor] = []
-    buf = io.BytesIO()
-    _Pickler(buf, tensors).dump((msg.kind, msg.fields, msg.body))
+    body = None
+    if msg.body is not None:
+        buf = io.BytesIO()
+        _Pickler(buf, tensors).dump(msg.body)
+        body = buf.getvalue()
     specs = []
     for t in tensors:
         if t.is_sparse or t.layout != torch.strided:
             raise TypeError("smp: only dense (strided) tensors can cross a partition boundary")
         specs.append(TensorSpec(tuple(t.shape), t.dtype, t.is_cuda, t.requires_grad))
-    return pickle.dumps((specs, buf.getvalue()), protocol=pickle.HIGHEST_PROTOCOL), tensors, specs
+    return pickle.dumps((specs, msg.kind, msg.fields, body), protocol=pickle.HIGHEST_PROTOCOL), tensors, specs
 
 
 def header_for(meta: bytes) -> Tuple[torch.Tensor, int]:
@@ -106,9 +111,9 @@ def _as_sendable(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t) if t.is_complex() else t
 
 
-def decode(meta: bytes, tensors: List[torch.Tensor]) -> Message:
-    kind, fields, body = _Unpickler(io.BytesIO(meta), tensors).load()
-    return Message(kind, fields, body)
+def decode(kind: str, fields: Dict[str, Any], body: Optional[bytes], tensors: List[torch.Tensor]) -> Message:
+    """The message whose meta (see encode) held `kind`, `fields` and `body`, its tensors received."""
+    return Message(kind, fields, None if body is None else _Unpickler(io.BytesIO(body), tensors).load())
 
 
 class Links:
@@ -270,7 +275,7 @@ class Links:
             rest = torch.empty(n - len(meta), dtype=torch.uint8)
             self._group.recv([rest], frm, TAG_META).wait()
             meta += rest.numpy().tobytes()
-        specs, body = pickle.loads(meta)
+        specs, kind, fields, body = pickle.loads(meta)
         tensors = []
         ready = None
         for s in specs:
@@ -286,7 +291,7 @@ class Links:
                 t = torch.empty(s.shape, dtype=s.dtype)
                 self._group.recv([_as_sendable(t)], frm, TAG_PAYLOAD).wait()
             tensors.append(t)
-        return decode(body, tensors), tensors, specs, ready
+        return decode(kind, fields, body, tensors), tensors, specs, ready
 
 
     def _rank_of(self, p: int) -> int:

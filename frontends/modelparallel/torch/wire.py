@@ -51,8 +51,8 @@ class TensorSpec:
 @dataclass
 class Message:
     kind: str
-    fields: Dict[str, Any] = field(default_factory=dict)
-    body: Any = None
+    fields: Dict[str, Any] = field(default_factory=dict)  # small plain values, never tensors (see encode)
+    body: Any = None  # anything picklable; its tensors travel as tensors
 
 
 class _Pickler(pickle.Pickler):

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import smdistributed.modelparallel.torch as smp
+from pipeline_model import loss_fn, smp_train_step
 
 p = argparse.ArgumentParser()
 p.add_argument("--micro", type=int, default=16)
@@ -37,10 +38,6 @@ x, y = torch.randn(64, 16), torch.randn(64, 16)
 def layers():
     torch.manual_seed(0)
     return [torch.nn.Linear(16, 16) for _ in range(16)]
-
-
-def loss_fn(out, target):
-    return (out - target).pow(2).mean()
 
 
 def profile(step):
@@ -97,12 +94,7 @@ if "torch" in args.only:
 if "smp" in args.only:
     model = smp.DistributedModel(torch.nn.Sequential(*layers()), trace_device="cpu")
     smp_opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-
-    @smp.step
-    def train_step(model, x, y):
-        loss = loss_fn(model(x), y)
-        model.backward(loss)
-        return loss
+    train_step = smp_train_step(smp)
 
     def smp_step():
         smp_opt.zero_grad(set_to_none=True)

@@ -43,10 +43,11 @@ accumulation do not run for a graphed run.
 Results equal the eager run's (the same kernels on the same data), up to the rounding of the
 order in which microbatches' gradients are summed (the graphed ones first, then into `.grad`);
 Python code inside the run that would decide differently from call to call (data-dependent
-branches, a step counter) does not, which is why this is opt-in. Capture uses CUDA's thread-local capture mode: the
-receiver threads go on issuing NCCL work while a stage captures. A run that cannot be graphed
-for a reason known before capturing runs eagerly; a capture CUDA refuses fails the step
-(CaptureFailed) rather than leave torch's CUDA state half in capture mode under eager runs.
+branches, a step counter) does not, which is why this is opt-in. Capture uses CUDA's
+thread-local capture mode: the receiver threads go on issuing NCCL work while a stage captures.
+A run that cannot be graphed for a reason known before capturing runs eagerly; a capture CUDA
+refuses fails the step (CaptureFailed) rather than leave torch's CUDA state half in capture
+mode under eager runs.
 """
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ unchanged and the tensors go as raw data:
              tensors on the one-way group of this (sender, receiver) pair, through NCCL
 
 The meta is (tensor specs, kind, fields, pickled body). A link carries messages one after
-another: senders to one peer hold that peer's lock while they post and finish a message, and one receiver
-thread per peer reads them in order, so the parts of two messages never interleave (NCCL has
-no tags: a one-way group with one writer and one reader keeps its order).
+another: senders to one peer hold that peer's lock while they post and finish a message, and
+one receiver thread per peer reads them in order, so the parts of two messages never
+interleave (NCCL has no tags: a one-way group with one writer and one reader keeps its order).
 """
 from __future__ import annotations
 
@@ -292,7 +292,6 @@ class Links:
                 self._group.recv([_as_sendable(t)], frm, TAG_PAYLOAD).wait()
             tensors.append(t)
         return decode(kind, fields, body, tensors), tensors, specs, ready
-
 
     def _rank_of(self, p: int) -> int:
         """Pipeline rank `p`'s rank in the pipeline group (worked out at the first message)."""

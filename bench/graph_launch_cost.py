@@ -13,11 +13,21 @@ over --reps replays:
 - idle: the GPU idle before each replay (synchronized);
 - behind its own: the same backward graph replayed again while its previous launch runs;
 - behind another: a second instance's backward while the first instance's runs;
+- burst: 12 replays of one backward graph back to back;
 - queue: one replay behind 20 ms of queued matmuls (a deep stream);
+- F, B in turn: one instance's forward and backward replayed in turn, nothing else, then with
+  a loss's eager kernels between them;
 - last stage: the last stage's pattern with the host ahead of the GPU (forward replay, a
   loss's eager kernels, backward replay, no synchronization), one instance and then two in turn;
 - contended: replays while another thread records CUDA events and makes streams wait on them
   in a loop (what the receiver and send threads do).
+
+Found on one H200 (session 27, `bench/results/session27_2026-11-28.md`): a replay returns
+in 20-130 us in every case but "F, B in turn" and "last stage", where the forward's replay
+takes 0.43-0.9 ms and the backward's 3.2-3.8 ms. The two add up to the GPU time of the pair,
+so the host moves in lockstep with the GPU. A launch holds the host when the same graph's
+previous launch has not finished and other work was queued after it; a burst of launches of
+one graph does not.
 """
 import argparse
 import statistics
@@ -96,6 +106,10 @@ def main():
         us.append(timed_replay(b.bwd))
     summary("behind another: backward", us)
 
+    torch.cuda.synchronize()
+    burst = [timed_replay(a.bwd) for _ in range(12)]
+    print("burst of 12 backward replays, host us each: " + " ".join(f"{u:.0f}" for u in burst), flush=True)
+
     big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     us = []
     for _ in range(args.reps // 4):
@@ -104,6 +118,21 @@ def main():
             big @ big  # about 1 ms each on an H100/H200
         us.append(timed_replay(b.bwd))
     summary("queue (20 matmuls ahead): backward", us)
+
+    for label, eager in (("replays only", False), ("with the loss's kernels", True)):
+        torch.cuda.synchronize()
+        parts = {"forward": [], "eager": [], "backward": []}
+        target = torch.randn_like(a.static_out, dtype=torch.float32)
+        for _ in range(args.reps):
+            parts["forward"].append(timed_replay(a.fwd))
+            t = time.perf_counter()
+            if eager:
+                a.static_grad_out.copy_(2 * (a.static_out.float() - target) / target.numel())
+            parts["eager"].append((time.perf_counter() - t) * 1e6)
+            parts["backward"].append(timed_replay(a.bwd))
+        torch.cuda.synchronize()
+        for k, v in parts.items():
+            summary(f"F, B in turn, {label}: {k}", v)
 
     target = torch.randn_like(a.static_out, dtype=torch.float32)
     for label, turn in (("one instance", [a]), ("two in turn", [a, b])):

@@ -738,6 +738,24 @@ def _check_pipeline_trains_like_one_process(procs, parts, model, mode, pipeline)
     assert graphs == {p: (20 if p == starter else 0) for p in range(parts)}, graphs
 
 
+@pytest.mark.parametrize("pipeline", ["interleaved", "simple"])
+def test_last_stage_gradients_can_reach_the_root_before_its_answer(pipeline):
+    """The last stage hands its own copy of the model output to its step function before it
+    sends the root its answer (runtime._serve), so a call's input gradients can reach the root
+    before the call's answer. With every answer held back 0.2 s (SMP_TEST_SLOW_ANSWERS, the
+    real transport), they do, and training still equals one process."""
+    results = run_world(2, "smp_pipeline.py", ["seqparts", "manual", pipeline, "2", "4", "2"],
+                        env={"SMP_TEST_SLOW_ANSWERS": "0.2"}, timeout=120)
+    assert_all_ok(results)
+    reports = {r.event("trained")["pp_rank"]: r.event("trained") for r in results}
+    for r in reports.values():
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+        assert r["losses"] == reports[0]["losses"], "ranks disagree on the loss"
+    assert reports[1]["output_backwards"] == 2 * 4, reports[1]
+    assert reports[1]["gradients_before_answer"] > 0, reports[1]
+    assert reports[0]["gradients_before_answer"] == 0, reports[0]
+
+
 @pytest.mark.parametrize("procs, model, pipeline, env, hops", [
     (3, "seq", "interleaved", {}, [0, 20, 0]),
     (4, "seq", "simple", {}, [0, 20, 20, 0]),

@@ -9,6 +9,7 @@ import gc
 import os
 import sys
 import threading
+import time
 
 import torch
 import torch.nn as nn
@@ -304,6 +305,7 @@ def main():
         for m in net.modules():
             m.register_forward_pre_hook(lambda mod, args: forward_threads.add(threading.get_ident()))
     model = smp.DistributedModel(net)
+    sent_order = hold_back_answers(float(os.environ.get("SMP_TEST_SLOW_ANSWERS", "0")))
     if os.environ.get("SMP_TEST_CHECKPOINTING"):
         # Recomputed in backward: a Sequential (each child), a module called twice, one layer.
         if MODEL == "skip":
@@ -353,7 +355,44 @@ def main():
            output_backwards=model._runtime.output_backwards, chained_hops=model._runtime.chained_hops,
            loss_graphs=sum(loss_graphs), kept_after_steps=step_tensors_alive(),
            forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters),
-           graph_layout=model._runtime.graphs.layout(), others_on=others_on, link_ctas=link_ctas())
+           graph_layout=model._runtime.graphs.layout(), others_on=others_on, link_ctas=link_ctas(),
+           gradients_before_answer=gradients_before_answer(sent_order))
+
+
+def hold_back_answers(delay_s: float):
+    """SMP_TEST_SLOW_ANSWERS=S: this rank's forward answers ("fwd_done") leave S seconds late
+    (the transport is the real one; only the send starts later). Returns the kinds this rank
+    sent, in order, with their call ids, for gradients_before_answer."""
+    from smdistributed.modelparallel.torch import wire
+    order = []
+    if delay_s <= 0:
+        return order
+    send_encoded_in_turn, send = wire.Links.send_encoded_in_turn, wire.Links.send
+
+    def late_answer(self, dst, kind, meta, tensors, turn, made_at=None):
+        if kind == "fwd_done":
+            time.sleep(delay_s)
+            order.append(("fwd_done", wire.pickle.loads(meta)[2]["id"]))
+        return send_encoded_in_turn(self, dst, kind, meta, tensors, turn, made_at)
+
+    def noted(self, dst, msg, turn=None, made_at=None):
+        if msg.kind == "bwd_done":
+            order.append(("bwd_done", msg.fields["id"]))
+        return send(self, dst, msg, turn, made_at)
+
+    wire.Links.send_encoded_in_turn, wire.Links.send = late_answer, noted
+    return order
+
+
+def gradients_before_answer(order) -> int:
+    """How many calls' input gradients this rank sent before their forward answer."""
+    answered, early = set(), 0
+    for kind, call_id in order:
+        if kind == "fwd_done":
+            answered.add(call_id)
+        elif call_id not in answered:
+            early += 1
+    return early
 
 
 def link_ctas():

@@ -74,80 +74,72 @@ def summary(name, us):
     print(f"{name:38s} median {statistics.median(us):8.1f} us   p90 {us[int(0.9 * (len(us) - 1))]:8.1f} us", flush=True)
 
 
+def after(first, graph, reps):
+    """Host us of `graph`'s replay, each made on an idle GPU right after `first()`."""
+    us = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        first()
+        us.append(timed_replay(graph))
+    return us
+
+
+def in_turn(label, insts, x, loss, copy_input):
+    """Forward and backward replays in turn over `insts` with the host ahead of the GPU (no
+    synchronization), with the loss's eager kernels between them (`loss`) and the input
+    copied into the static buffer first (`copy_input`, as the pipeline does)."""
+    target = torch.randn_like(insts[0].static_out, dtype=torch.float32)
+    parts = {"forward": [], "eager": [], "backward": []}
+    torch.cuda.synchronize()
+    for i in range(args.reps):
+        inst = insts[i % len(insts)]
+        if copy_input:
+            inst.static_in.copy_(x)
+        parts["forward"].append(timed_replay(inst.fwd))
+        t = time.perf_counter()
+        if loss:
+            inst.static_grad_out.copy_(2 * (inst.static_out.float() - target) / target.numel())
+        parts["eager"].append((time.perf_counter() - t) * 1e6)
+        parts["backward"].append(timed_replay(inst.bwd))
+    torch.cuda.synchronize()
+    for part, us in parts.items():
+        summary(f"{label}: {part}", us)
+
+
 def main():
     if not torch.cuda.is_available():
         sys.exit("graph_launch_cost.py needs a CUDA GPU")
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     stage = torch.nn.Sequential(*encoder_layers(8)).to(dev, torch.bfloat16)
-    insts, x = make_instances(stage, 2, dev)
-    a, b = insts
+    (a, b), x = make_instances(stage, 2, dev)
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}: a stage of 8 encoder layers, "
           f"{args.samples} samples a microbatch", flush=True)
 
-    for name, graph in (("forward", a.fwd), ("backward", a.bwd)):
-        us = []
-        for _ in range(args.reps):
-            torch.cuda.synchronize()
-            us.append(timed_replay(graph))
-        summary(f"idle: {name}", us)
+    def nothing():
+        pass
 
-    us = []
-    for _ in range(args.reps):
-        torch.cuda.synchronize()
-        a.bwd.replay()
-        us.append(timed_replay(a.bwd))
-    summary("behind its own: backward", us)
-
-    us = []
-    for _ in range(args.reps):
-        torch.cuda.synchronize()
-        a.bwd.replay()
-        us.append(timed_replay(b.bwd))
-    summary("behind another: backward", us)
+    summary("idle: forward", after(nothing, a.fwd, args.reps))
+    summary("idle: backward", after(nothing, a.bwd, args.reps))
+    summary("behind its own: backward", after(a.bwd.replay, a.bwd, args.reps))
+    summary("behind another: backward", after(a.bwd.replay, b.bwd, args.reps))
 
     torch.cuda.synchronize()
     burst = [timed_replay(a.bwd) for _ in range(12)]
     print("burst of 12 backward replays, host us each: " + " ".join(f"{u:.0f}" for u in burst), flush=True)
 
     big = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    us = []
-    for _ in range(args.reps // 4):
-        torch.cuda.synchronize()
+
+    def matmuls():
         for _ in range(20):
             big @ big  # about 1 ms each on an H100/H200
-        us.append(timed_replay(b.bwd))
-    summary("queue (20 matmuls ahead): backward", us)
 
-    for label, eager in (("replays only", False), ("with the loss's kernels", True)):
-        torch.cuda.synchronize()
-        parts = {"forward": [], "eager": [], "backward": []}
-        target = torch.randn_like(a.static_out, dtype=torch.float32)
-        for _ in range(args.reps):
-            parts["forward"].append(timed_replay(a.fwd))
-            t = time.perf_counter()
-            if eager:
-                a.static_grad_out.copy_(2 * (a.static_out.float() - target) / target.numel())
-            parts["eager"].append((time.perf_counter() - t) * 1e6)
-            parts["backward"].append(timed_replay(a.bwd))
-        torch.cuda.synchronize()
-        for k, v in parts.items():
-            summary(f"F, B in turn, {label}: {k}", v)
+    summary("queue (20 matmuls ahead): backward", after(matmuls, b.bwd, args.reps // 4))
 
-    target = torch.randn_like(a.static_out, dtype=torch.float32)
-    for label, turn in (("one instance", [a]), ("two in turn", [a, b])):
-        fwd_us, bwd_us = [], []
-        torch.cuda.synchronize()
-        for i in range(args.reps):
-            inst = turn[i % len(turn)]
-            inst.static_in.copy_(x)
-            fwd_us.append(timed_replay(inst.fwd))
-            loss_grad = 2 * (inst.static_out.float() - target) / target.numel()  # the loss's eager kernels
-            inst.static_grad_out.copy_(loss_grad)
-            bwd_us.append(timed_replay(inst.bwd))
-        torch.cuda.synchronize()
-        summary(f"last stage, {label}: forward", fwd_us)
-        summary(f"last stage, {label}: backward", bwd_us)
+    in_turn("F, B in turn, replays only", [a], x, loss=False, copy_input=False)
+    in_turn("F, B in turn, with the loss's kernels", [a], x, loss=True, copy_input=False)
+    in_turn("last stage, one instance", [a], x, loss=True, copy_input=True)
+    in_turn("last stage, two in turn", [a, b], x, loss=True, copy_input=True)
 
     stop = threading.Event()
     side = torch.cuda.Stream(dev)
@@ -161,10 +153,7 @@ def main():
 
     t = threading.Thread(target=events, daemon=True)
     t.start()
-    us = []
-    for _ in range(args.reps):
-        torch.cuda.synchronize()
-        us.append(timed_replay(a.bwd))
+    us = after(nothing, a.bwd, args.reps)
     stop.set()
     t.join()
     summary("contended (event records): backward", us)

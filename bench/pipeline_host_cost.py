@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import smdistributed.modelparallel.torch as smp
-from pipeline_model import loss_fn, smp_train_step
+from pipeline_model import loss_fn, smp_sgd_step
 
 p = argparse.ArgumentParser()
 p.add_argument("--micro", type=int, default=16)
@@ -93,12 +93,4 @@ if "torch" in args.only:
 
 if "smp" in args.only:
     model = smp.DistributedModel(torch.nn.Sequential(*layers()), trace_device="cpu")
-    smp_opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-    train_step = smp_train_step(smp)
-
-    def smp_step():
-        smp_opt.zero_grad(set_to_none=True)
-        train_step(model, x, y)
-        smp_opt.step()
-
-    run("smp", smp_step)
+    run("smp", smp_sgd_step(smp, model, x, y))

@@ -29,6 +29,12 @@ def smp_training_step(smp, n_layers, x, y):
     """The whole bf16 model under smp with SGD: (the DistributedModel, a training step that
     zeroes the gradients, runs the @smp.step function and steps the optimizer)."""
     model = smp.DistributedModel(torch.nn.Sequential(*encoder_layers(n_layers)).to(torch.bfloat16), trace_device="gpu")
+    return model, smp_sgd_step(smp, model, x, y)
+
+
+def smp_sgd_step(smp, model, x, y):
+    """A training step of a DistributedModel: zero the gradients, run the @smp.step function
+    on (x, y), step SGD."""
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
     train_step = smp_train_step(smp)
 
@@ -37,7 +43,7 @@ def smp_training_step(smp, n_layers, x, y):
         train_step(model, x, y)
         opt.step()
 
-    return model, step
+    return step
 
 
 def torch_1f1b_training_step(n_layers, rank, pp, dev, group, m, x, y):

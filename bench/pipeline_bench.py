@@ -21,7 +21,8 @@ and each rank's CPU time a step (cpu_ms: all the process's threads, the host's w
 
 Peak memory: on GPUs, torch's max_memory_allocated over the warm-up and timed steps
 (peak_gb; the warm-up holds the stage graphs' captures) and over the timed steps alone
-(steady_peak_gb). On CPUs (`--memory`),
+(steady_peak_gb); with `--graphs`, each rank's reserved GB after the timed steps split by pool
+(graphs.reserved_gb: forward, backward, other; see reserved_by_pool). On CPUs (`--memory`),
 the most a step adds to the process's resident memory (sampled every 0.5 ms over two extra,
 untimed steps, from just before the step): activations, gradients and transfers. Run it with
 MALLOC_MMAP_THRESHOLD_=131072 so that freed tensors go back to the system (glibc otherwise
@@ -32,6 +33,7 @@ the default is the original's, partitions + 2; `partitions` holds as many microb
 flight on the first stage as torch's 1F1B.
 """
 import argparse
+import collections
 import dataclasses
 import gc
 import json
@@ -101,6 +103,18 @@ warmup_peaks = [0.0, 0.0]  # GB allocated / reserved at most in the warm-up step
 def peak_gb():
     """The most allocated over the warm-up and timed steps."""
     return max(warmup_peaks[0], torch.cuda.max_memory_allocated() / 2**30) if args.device == "cuda" else 0.0
+
+
+def reserved_by_pool(graphs):
+    """GB the allocator reserves now, split by pool: the stage graphs' forward pools (one per
+    instance), their shared backward pool, and the rest ("other": the general pool, where eager
+    work, parameters, gradients and messages live). Graph pools hold a replay's activations and
+    temporaries, which max_memory_allocated does not count between replays."""
+    labels = graphs.pool_labels()
+    split = collections.Counter()
+    for segment in torch.cuda.memory_snapshot():
+        split[labels.get(tuple(segment.get("segment_pool_id", (0, 0))), "other")] += segment["total_size"]
+    return {k: round(v / 2**30, 3) for k, v in sorted(split.items())}
 
 
 def end_warmup_peaks():
@@ -339,6 +353,7 @@ def main():
                     extra = None
                     if suffix == "_graphs":  # each rank's replays and captures in this configuration, as evidence
                         mine = {k: v - before.get(k, 0) for k, v in model._runtime.graphs.counters.items()}
+                        mine["reserved_gb"] = reserved_by_pool(model._runtime.graphs)
                         ranks = [None] * world
                         dist.all_gather_object(ranks, mine, group=peer_group)
                         extra = dict(graphs=ranks)

@@ -88,7 +88,7 @@ class _Instance:
         # legacy stream depend on a capturing blocking stream"); an alias's node is made here,
         # on the capture stream.
         aliases = {n: p.detach().requires_grad_() for n, p in named}
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()  # its forward's own (see pool_labels)
         self.static_in = torch.empty_like(x, memory_format=torch.contiguous_format)
         self.static_in.requires_grad_(x.requires_grad)
         stream.wait_stream(torch.cuda.current_stream())
@@ -409,6 +409,16 @@ class StageGraphs:
             instances = [(k[0], inst) for k, e in self._entries.items() for inst in e.instances]
         sets = {id(inst.param_grad_out) for _, inst in instances}
         return dict(instances=len(instances), runs=len({run for run, _ in instances}), grad_buffer_sets=len(sets))
+
+    def pool_labels(self) -> Dict[tuple, str]:
+        """The graphs' memory pools, pool id -> "forward" (an instance's) or "backward" (the
+        shared one): what the allocator's snapshot calls each segment's pool, so a benchmark
+        can split the memory reserved (bench/pipeline_bench.py)."""
+        with self._lock:
+            labels = {tuple(inst.pool): "forward" for e in self._entries.values() for inst in e.instances}
+            if self._backward_pool is not None:
+                labels[tuple(self._backward_pool)] = "backward"
+        return labels
 
     def release_all(self) -> None:
         with self._lock:

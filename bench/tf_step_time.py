@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -218,16 +217,6 @@ def run_mwms(args) -> None:
 # ---- driver --------------------------------------------------------------------------------------
 
 
-def free_ports(n: int) -> list:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def worker_args(args, role: str, out: str) -> list:
     return [sys.executable, str(Path(__file__).resolve()), "--role", role, "--model", args.model, "--out", out,
             "--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -238,7 +227,9 @@ def run_jobs(args, out: str) -> None:
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
     cmd = [sys.executable, "-m", "smdistributed.common.launcher", "-np", "2", "--"] + worker_args(args, "smddp", out)
     subprocess.run(cmd, check=True, timeout=JOB_TIMEOUT_S, env=env)
-    ports = free_ports(2)
+    from smdistributed.common.ports import free_listen_ports
+
+    ports = free_listen_ports(2)
     procs = []
     for i in range(2):
         tf_config = {"cluster": {"worker": [f"localhost:{p}" for p in ports]}, "task": {"type": "worker", "index": i}}

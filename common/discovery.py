@@ -82,7 +82,9 @@ _JOB_ID_VARS = {
 }
 
 _DEFAULT_STORE_ADDR = "127.0.0.1"
-_PORT_BASE, _PORT_SPAN = 20000, 40000  # derived ports fall in [20000, 60000)
+# Derived ports fall in [20000, 32768), below Linux's ephemeral range, where no socket is given
+# a port unless it names it (common/ports.py says why that matters).
+_PORT_BASE, _PORT_SPAN = 20000, 12768
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
 _warned_derived_secret = False

@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+from smdistributed.common.ports import free_listen_ports
+
 PROG = "smddprun"
 _GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping ranks
 _POLL_S = 0.05
@@ -150,28 +152,11 @@ def _layout(hosts: list[tuple[str, int]], np: int) -> list[tuple[str, int]]:
 # ----------------------------------------------------------------------------- one host
 
 def _free_ports() -> tuple[int, int]:
-    """A port for our store and one for torch's MASTER_PORT, with MASTER_PORT+1 != store.
-
-    Both sockets stay bound until both are chosen, so the kernel cannot hand out the
-    same port twice; discovery prefers SMDDP_STORE_PORT over MASTER_PORT+1, but a
-    torch script may still open MASTER_PORT+1 for something of its own.
-    """
-    held = []
-    try:
-        def bind() -> int:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            held.append(s)
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-        store = bind()
-        while True:
-            master = bind()
-            if master + 1 != store and master < 65535:
-                return store, master
-    finally:
-        for s in held:
-            s.close()
+    """A port for our store and one for torch's MASTER_PORT, outside the ephemeral range
+    (ports.py says why) and not adjacent: discovery prefers SMDDP_STORE_PORT over
+    MASTER_PORT+1, but a torch script may still open MASTER_PORT+1 for something of its own."""
+    store, master = free_listen_ports(2)
+    return store, master
 
 
 def _rank_groups(np: int, groups: int) -> list[range]:

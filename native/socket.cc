@@ -25,6 +25,17 @@ int remaining_ms(Clock::time_point deadline) {
 
 Clock::time_point deadline_after(double s) { return Clock::now() + std::chrono::microseconds(int64_t(s * 1e6)); }
 
+// A connect() to a local port nobody listens on yet can be given that same port as its
+// source, and TCP's simultaneous open then connects the socket to itself. It would hold the
+// port rank 0 is about to listen on, and read back its own words as the peer's.
+bool connected_to_itself(int fd) {
+  sockaddr_in mine{}, theirs{};
+  socklen_t a = sizeof(mine), b = sizeof(theirs);
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&mine), &a) != 0) return false;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&theirs), &b) != 0) return false;
+  return mine.sin_port == theirs.sin_port && mine.sin_addr.s_addr == theirs.sin_addr.s_addr;
+}
+
 }  // namespace
 
 Socket::~Socket() { close(); }
@@ -55,8 +66,13 @@ Socket Socket::listen_on(int port, bool loopback) {
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(loopback ? INADDR_LOOPBACK : INADDR_ANY);
   addr.sin_port = htons(uint16_t(port));
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0)
-    throw Error("cannot bind TCP port " + std::to_string(port) + ": " + errno_text());
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    throw Error("cannot bind TCP port " + std::to_string(port) + ": " + std::strerror(err) +
+                (port != 0 && err == EADDRINUSE
+                     ? " (another process holds it: set SMDDP_STORE_PORT, or MASTER_PORT, to a free port)"
+                     : ""));
+  }
   if (::listen(fd, 1024) != 0) throw Error("listen(): " + errno_text());
   return s;
 }
@@ -76,10 +92,13 @@ Socket Socket::connect_to(const std::string& host, int port, double timeout_s) {
     } else {
       int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
       if (fd >= 0 && ::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
-        ::freeaddrinfo(res);
-        Socket s(fd);
-        s.set_nodelay();
-        return s;
+        if (!connected_to_itself(fd)) {
+          ::freeaddrinfo(res);
+          Socket s(fd);
+          s.set_nodelay();
+          return s;
+        }
+        errno = ECONNREFUSED;  // nobody listens there yet: as if refused, try again
       }
       last_error = errno_text();
       if (fd >= 0) ::close(fd);

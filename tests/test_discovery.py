@@ -267,3 +267,35 @@ def test_bad_sagemaker_variables():
     fails(r"SM_CURRENT_HOST='algo-9' is not one of SM_HOSTS",
           SM_HOSTS='["algo-1"]', SM_CURRENT_HOST="algo-9")
     fails(r"SM_CURRENT_HOST is missing", SM_HOSTS='["algo-1"]')
+
+
+# ------------------------------------------------------------------ ports for a job's store
+
+def test_listen_ports_are_free_distinct_not_adjacent_and_outside_the_ephemeral_range():
+    from smdistributed.common import ports
+
+    low, high = ports.ephemeral_range()
+    chosen = ports.free_listen_ports(12)
+    assert len(set(chosen)) == 12
+    assert all(abs(a - b) > 1 for a in chosen for b in chosen if a != b), chosen
+    assert all(not low <= p <= high and 1024 <= p <= 65535 for p in chosen), (chosen, low, high)
+    for p in chosen:  # nothing holds them
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", p))
+
+
+def test_listen_ports_skip_held_ports_and_fall_back_when_the_range_covers_everything(monkeypatch):
+    from smdistributed.common import ports
+
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        assert not ports._bindable(holder.getsockname()[1])
+    # A (pretended) ephemeral range that leaves only the top 65 ports outside it.
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 65470))
+    assert ports._candidates() == [(65471, 65535)]
+    assert all(65471 <= p <= 65535 for p in ports.free_listen_ports(3))
+    # One that covers every port: the kernel picks them, still distinct and not adjacent.
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 65535))
+    assert ports._candidates() == []
+    chosen = ports.free_listen_ports(3)
+    assert all(abs(a - b) > 1 for a in chosen for b in chosen if a != b), chosen

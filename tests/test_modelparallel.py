@@ -980,6 +980,19 @@ def test_a_rank_that_dies_mid_step_is_named_on_every_other_rank():
     assert not leftovers, leftovers
 
 
+def test_ranks_whose_rank_0_died_before_smp_init_fail_within_the_timeout():
+    timeout = 4
+    results = run_world(3, "smp_errors.py", ["rank0_dies_before_init"], env={"SMDDP_TIMEOUT": str(timeout)},
+                        timeout=90)
+    assert results[0].returncode == 3, results[0].output
+    for r in results[1:]:
+        assert r.returncode == 0, r.output
+        e = r.event("init_failed")
+        # Not torch's 30 minutes: the timeout, plus smp.init's imports on a slow machine.
+        assert e["after_s"] <= timeout + 30, e
+        assert "timed out" in e["message"].lower(), e
+
+
 def test_a_rank_that_dies_mid_step_with_replicas_fails_every_other_rank():
     """pp=2 x dp=2 (cluster placement: replicas [0, 1] and [2, 3]), global rank 1 dies."""
     timeout = 5

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from smdistributed.common.ports import free_listen_ports
+
 WORKERS = Path(__file__).parent / "workers"
 HANG_GUARD_S = 180
 
@@ -79,9 +81,9 @@ def recv_frame(s: socket.socket) -> bytes:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a world's store, outside the ephemeral range (smdistributed.common.ports:
+    a port bind(0) picks can be taken by another socket before rank 0 listens on it)."""
+    return free_listen_ports(1)[0]
 
 
 def run_world(
@@ -148,8 +150,9 @@ def run_world(
             try:
                 out, err = p.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
+                exited = _ranks_that_exited(procs, results)  # before the live ones are stopped
                 raise AssertionError(f"{worker} on {nranks} ranks: rank {rank} still running after {timeout} s; "
-                                     f"the live ranks' Python stacks:\n{_stacks_of_live(procs)}") from None
+                                     f"the live ranks' Python stacks:\n{_stacks_of_live(procs)}{exited}") from None
             results[rank] = RankResult(rank, p.returncode, out, err, read_reports(report_dir / f"rank{rank}.jsonl"))
     finally:
         for p in procs.values():
@@ -174,6 +177,23 @@ def _stacks_of_live(procs: Dict[int, subprocess.Popen]) -> str:
             err = "(no stack: it did not stop on SIGABRT)"
         dumps.append(f"--- rank {rank}\n{(err or '')[-6000:]}")
     return "\n".join(dumps)
+
+
+def _ranks_that_exited(procs: Dict[int, subprocess.Popen], results: Dict[int, RankResult]) -> str:
+    """How each rank that had already exited ended: a world often hangs because one rank died
+    early (at start-up, say) and the others wait for it."""
+    lines = []
+    for rank, p in sorted(procs.items()):
+        if rank in results:
+            r = results[rank]
+            lines.append(f"--- rank {rank} exited {r.returncode}\n{r.output[-4000:]}")
+        elif p.poll() is not None:
+            try:
+                out, err = p.communicate(timeout=5)
+            except subprocess.TimeoutExpired:  # a child of the rank holds its pipes
+                out, err = "", "(its output is held open by a child process)"
+            lines.append(f"--- rank {rank} exited {p.returncode}\n{((out or '') + (err or ''))[-4000:]}")
+    return ("\nRanks that had exited before:\n" + "\n".join(lines)) if lines else ""
 
 
 def assert_all_ok(results: List[RankResult]) -> None:

@@ -1,7 +1,7 @@
 """Misuse and failures of smdistributed.modelparallel.torch: each case prints (or reports,
 report.py) what every rank saw. argv: case (misuse | bad_config | rank_dies | rank_stops |
 rank_dies_with_replicas | replica_skips_a_step | quiet_links | slow_middle_stage | backward_on_one_rank |
-backward_not_on_root | backward_twice | message_stops_halfway)."""
+backward_not_on_root | backward_twice | message_stops_halfway | rank0_dies_before_init)."""
 import os
 import signal
 import sys
@@ -122,6 +122,20 @@ def rank_dies(how: str = "exit", replicas: bool = False):
         report("step_failed", after_s=time.monotonic() - t0, kind=type(e).__name__,
                message=str(e).replace("\n", " "))
         print("STEP FAILED:", str(e).splitlines()[0], flush=True)
+        os._exit(0)
+    print("NO ERROR", flush=True)
+
+
+def rank0_dies_before_init():
+    """Rank 0, which serves torch's store, exits before smp.init: the others must fail within
+    SMDDP_TIMEOUT, not wait torch's 30 minutes for a store that never comes."""
+    if int(os.environ["SMDDP_RANK"]) == 0:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        smp.init({"partitions": 3, "microbatches": 2})
+    except Exception as e:
+        report("init_failed", after_s=time.monotonic() - t0, kind=type(e).__name__, message=str(e)[:500])
         os._exit(0)
     print("NO ERROR", flush=True)
 
@@ -380,4 +394,4 @@ def message_stops_halfway():
  "backward_on_one_rank": backward_on_one_rank, "forward_after_backward": forward_after_backward,
  "forward_after_backward_new_stage": forward_after_backward_new_stage,
  "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice,
- "message_stops_halfway": message_stops_halfway}[CASE]()
+ "message_stops_halfway": message_stops_halfway, "rank0_dies_before_init": rank0_dies_before_init}[CASE]()

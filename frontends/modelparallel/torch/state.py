@@ -8,6 +8,7 @@ tensors that travel through NCCL (see wire.py).
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -54,6 +55,21 @@ def _world_size_before_init() -> int:
     return int(os.environ["WORLD_SIZE"])
 
 
+def _startup_timeout() -> Dict[str, timedelta]:
+    """init_process_group's timeout: SMDDP_TIMEOUT where the user set it, so that ranks whose
+    rank 0 died before it served torch's store fail within it instead of waiting torch's 30
+    minutes (a launcher that stops every rank when one fails, torchrun or smddprun, makes this
+    moot). The smddp groups read the same value as their collectives' timeout either way."""
+    raw = os.environ.get("SMDDP_TIMEOUT", "").strip()
+    if not raw:
+        return {}
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"SMDDP_TIMEOUT={raw!r} is not a number of seconds") from None
+    return {"timeout": timedelta(seconds=seconds)} if seconds > 0 else {}
+
+
 def init(config: Optional[Dict[str, Any]] = None) -> None:
     if state.initialized:
         raise RuntimeError("smp.init() was already called in this process")
@@ -62,7 +78,7 @@ def init(config: Optional[Dict[str, Any]] = None) -> None:
     cfg = resolve(config, _world_size_before_init())  # checked before any communication
     link_ctas = _p2p_max_ctas()
     if not dist.is_initialized():
-        dist.init_process_group("smddp")
+        dist.init_process_group("smddp", **_startup_timeout())
     topo = Topology(dist.get_rank(), dist.get_world_size(), cfg.partitions, cfg.placement_strategy)
     # Every rank makes every group, in the same order (new_group is collective over the world).
     for d in range(topo.dp_size):

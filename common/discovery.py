@@ -23,6 +23,9 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from smdistributed.common.ports import HIGHEST as PORTS_HIGHEST
+from smdistributed.common.ports import LOWEST as PORTS_LOWEST
+
 
 class DiscoveryError(RuntimeError):
     """The environment does not describe a usable world; the message names the variables."""
@@ -82,9 +85,9 @@ _JOB_ID_VARS = {
 }
 
 _DEFAULT_STORE_ADDR = "127.0.0.1"
-# Derived ports fall in [20000, 32768), below Linux's ephemeral range, where no socket is given
-# a port unless it names it (common/ports.py says why that matters).
-_PORT_BASE, _PORT_SPAN = 20000, 12768
+# Derived ports fall in ports.py's [LOWEST, HIGHEST), below Linux's ephemeral range, where no
+# socket is given a port unless it names it (ports.py says why that matters).
+_PORT_BASE, _PORT_SPAN = PORTS_LOWEST, PORTS_HIGHEST - PORTS_LOWEST
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
 _warned_derived_secret = False

@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+from smdistributed.common.ports import HIGHEST as PORTS_HIGHEST
+from smdistributed.common.ports import LOWEST as PORTS_LOWEST
 from smdistributed.common.ports import free_listen_ports
 
 PROG = "smddprun"
@@ -468,9 +470,9 @@ def _hints(layout: list[tuple[str, int]], np: int, command: list[str], port: int
 def _run_hosts(hosts: list[tuple[str, int]], np: int, command: list[str], dry_run: bool) -> int:
     layout = _layout(hosts, np)
     first = layout[0][0]
-    # Ports cannot be probed on the other hosts: pick one at random from a range
-    # outside the usual ephemeral ports, and put our store next to torch's.
-    master_port = 20000 + secrets.randbelow(30000)
+    # Ports cannot be probed on the other hosts: pick one at random below the kernel's
+    # ephemeral range (ports.py says why), and put our store next to torch's.
+    master_port = PORTS_LOWEST + secrets.randbelow(PORTS_HIGHEST - PORTS_LOWEST - 1)
     mpirun = shutil.which("mpirun")
     if mpirun is None or not _is_open_mpi(mpirun):
         why = "mpirun is not on PATH" if mpirun is None else f"{mpirun} is not Open MPI's"

@@ -19,8 +19,10 @@ from typing import List, Optional, Tuple
 # Linux's default ephemeral range, used where /proc does not say (and IANA's on other systems
 # starts higher, at 49152, so ports below 32768 are outside it there too).
 _DEFAULT_EPHEMERAL = (32768, 60999)
-# Below this are the well-known and commonly configured service ports.
-_LOWEST = 20000
+# Ports are taken from [LOWEST, HIGHEST) where that lies below the ephemeral range: above it
+# are Kubernetes' NodePorts (30000-32767), which iptables may redirect with no socket bound
+# for a bind check to see; below it the commonly configured service ports.
+LOWEST, HIGHEST = 20000, 30000
 _TRIES = 200
 
 
@@ -35,10 +37,11 @@ def ephemeral_range() -> Tuple[int, int]:
 
 
 def _candidates() -> List[Tuple[int, int]]:
-    """Port spans (inclusive) outside the ephemeral range, the preferred first: just below
-    the range, then above it, then the registered ports below 20000."""
+    """Port spans (inclusive) outside the ephemeral range, the preferred first: [LOWEST,
+    HIGHEST), then above the range, then the registered ports below LOWEST. 65535 is left
+    out: a store may listen on MASTER_PORT + 1."""
     low, high = ephemeral_range()
-    spans = [(_LOWEST, low - 1), (high + 1, 65535), (1024, min(low, _LOWEST) - 1)]
+    spans = [(LOWEST, min(low, HIGHEST) - 1), (high + 1, 65534), (1024, min(low, LOWEST) - 1)]
     return [(a, b) for a, b in spans if b - a >= 64]
 
 
@@ -75,9 +78,9 @@ def free_listen_ports(count: int, avoid: Optional[set] = None) -> List[int]:
         taken.add(port)
     while len(chosen) < count:
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+            s.bind(("0.0.0.0", 0))
             port = s.getsockname()[1]
-        if all(abs(port - t) > 1 for t in taken):
+        if port < 65535 and all(abs(port - t) > 1 for t in taken) and _bindable(port):
             chosen.append(port)
             taken.add(port)
     return chosen

@@ -98,6 +98,10 @@ Socket Socket::connect_to(const std::string& host, int port, double timeout_s) {
           s.set_nodelay();
           return s;
         }
+        // Closed with a reset, not the usual close: that would leave the port in TIME_WAIT,
+        // which a client socket (no SO_REUSEADDR) holds against rank 0's bind for a minute.
+        linger reset{1, 0};
+        ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof(reset));
         errno = ECONNREFUSED;  // nobody listens there yet: as if refused, try again
       }
       last_error = errno_text();

@@ -69,7 +69,7 @@ def test_openmpi_variables_derive_port_and_secret_from_the_job_id():
     assert all(w.launcher == "openmpi" and w.local_size == 4 for w in ranks)
     # Every rank must arrive at the same store port and secret on its own.
     assert len({w.store_port for w in ranks}) == 1 and len({w.secret for w in ranks}) == 1
-    assert 20000 <= ranks[0].store_port < 60000
+    assert 20000 <= ranks[0].store_port < 30000
     assert len(ranks[0].secret) == 64
     other_job = world(OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_LOCAL_RANK="0",
                       **{**base, "OMPI_MCA_ess_base_jobid": "999"})
@@ -78,7 +78,7 @@ def test_openmpi_variables_derive_port_and_secret_from_the_job_id():
 
 def test_openmpi_5_uses_the_pmix_namespace():
     w = world(OMPI_COMM_WORLD_RANK="1", OMPI_COMM_WORLD_SIZE="2", PMIX_NAMESPACE="prterun-x-1@1")
-    assert 20000 <= w.store_port < 60000
+    assert 20000 <= w.store_port < 30000
 
 
 def test_mpich_variables():
@@ -99,7 +99,7 @@ SRUN = dict(SLURM_PROCID="5", SLURM_NTASKS="7", SLURM_LOCALID="1", SLURM_JOB_ID=
 def test_slurm_variables_with_compressed_tasks_per_node():
     w = world(**SRUN)
     assert (w.rank, w.size, w.local_rank, w.local_size, w.launcher) == (5, 7, 1, 2, "slurm")
-    assert 20000 <= w.store_port < 60000
+    assert 20000 <= w.store_port < 30000
     last = world(**{**SRUN, "SLURM_PROCID": "6", "SLURM_LOCALID": "0", "SLURM_NODEID": "3"})
     assert (last.local_rank, last.local_size) == (0, 1)
     assert last.store_port == w.store_port
@@ -278,7 +278,9 @@ def test_listen_ports_are_free_distinct_not_adjacent_and_outside_the_ephemeral_r
     chosen = ports.free_listen_ports(12)
     assert len(set(chosen)) == 12
     assert all(abs(a - b) > 1 for a in chosen for b in chosen if a != b), chosen
-    assert all(not low <= p <= high and 1024 <= p <= 65535 for p in chosen), (chosen, low, high)
+    assert all(not low <= p <= high and 1024 <= p < 65535 for p in chosen), (chosen, low, high)
+    if low > ports.HIGHEST:  # Linux's default range: the preferred span is below it
+        assert all(ports.LOWEST <= p < ports.HIGHEST for p in chosen), chosen
     for p in chosen:  # nothing holds them
         with socket.socket() as s:
             s.bind(("0.0.0.0", p))
@@ -290,10 +292,11 @@ def test_listen_ports_skip_held_ports_and_fall_back_when_the_range_covers_everyt
     with socket.socket() as holder:
         holder.bind(("0.0.0.0", 0))
         assert not ports._bindable(holder.getsockname()[1])
-    # A (pretended) ephemeral range that leaves only the top 65 ports outside it.
-    monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 65470))
-    assert ports._candidates() == [(65471, 65535)]
-    assert all(65471 <= p <= 65535 for p in ports.free_listen_ports(3))
+    # A (pretended) ephemeral range that leaves only the top ports outside it; 65535 is never
+    # taken, since a store may listen on MASTER_PORT + 1.
+    monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 65400))
+    assert ports._candidates() == [(65401, 65534)]
+    assert all(65401 <= p <= 65534 for p in ports.free_listen_ports(3))
     # One that covers every port: the kernel picks them, still distinct and not adjacent.
     monkeypatch.setattr(ports, "ephemeral_range", lambda: (1024, 65535))
     assert ports._candidates() == []

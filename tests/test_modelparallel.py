@@ -980,6 +980,21 @@ def test_a_rank_that_dies_mid_step_is_named_on_every_other_rank():
     assert not leftovers, leftovers
 
 
+@pytest.mark.parametrize("value,expected", [("", None), ("7.5", 7.5), ("0", None), ("abc", ValueError),
+                                            ("inf", ValueError)])
+def test_smp_init_bounds_the_rendezvous_by_smddp_timeout_where_set(monkeypatch, value, expected):
+    from smdistributed.modelparallel.torch.state import _startup_timeout
+
+    monkeypatch.setenv("SMDDP_TIMEOUT", value)
+    if expected is ValueError:
+        with pytest.raises(ValueError, match="SMDDP_TIMEOUT"):
+            _startup_timeout()
+    elif expected is None:
+        assert _startup_timeout() == {}
+    else:
+        assert _startup_timeout()["timeout"].total_seconds() == expected
+
+
 def test_ranks_whose_rank_0_died_before_smp_init_fail_within_the_timeout():
     timeout = 4
     results = run_world(3, "smp_errors.py", ["rank0_dies_before_init"], env={"SMDDP_TIMEOUT": str(timeout)},

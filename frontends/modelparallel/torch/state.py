@@ -64,10 +64,9 @@ def _startup_timeout() -> Dict[str, timedelta]:
     if not raw:
         return {}
     try:
-        seconds = float(raw)
-    except ValueError:
-        raise ValueError(f"SMDDP_TIMEOUT={raw!r} is not a number of seconds") from None
-    return {"timeout": timedelta(seconds=seconds)} if seconds > 0 else {}
+        return {"timeout": timedelta(seconds=float(raw))} if float(raw) > 0 else {}
+    except (ValueError, OverflowError):  # not a number; inf or too large for a timedelta
+        raise ValueError(f"SMDDP_TIMEOUT={raw!r} is not a finite number of seconds") from None
 
 
 def init(config: Optional[Dict[str, Any]] = None) -> None:
@@ -78,7 +77,13 @@ def init(config: Optional[Dict[str, Any]] = None) -> None:
     cfg = resolve(config, _world_size_before_init())  # checked before any communication
     link_ctas = _p2p_max_ctas()
     if not dist.is_initialized():
-        dist.init_process_group("smddp", **_startup_timeout())
+        startup = _startup_timeout()
+        dist.init_process_group("smddp", **startup)
+        if startup:
+            # Only the rendezvous is bounded: torch leaves the timeout on the store that every
+            # later group shares, where it would also cut short the waits of new_group (NCCL's
+            # unique ids), whose own failures name the missing rank.
+            dist.distributed_c10d._get_default_store().set_timeout(dist.default_pg_timeout)
     topo = Topology(dist.get_rank(), dist.get_world_size(), cfg.partitions, cfg.placement_strategy)
     # Every rank makes every group, in the same order (new_group is collective over the world).
     for d in range(topo.dp_size):

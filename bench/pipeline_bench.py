@@ -47,6 +47,23 @@ import torch.distributed as dist
 import smdistributed.modelparallel.torch as smp
 from pipeline_model import encoder_layers, loss_fn, smp_train_step
 
+
+
+def host_delay(spec: str):
+    """--host-delay's function: spins the microseconds given for this pipeline rank, if any."""
+    delays = dict(tuple(int(v) for v in item.split(":")) for item in spec.split(",") if item)
+    if not delays:
+        return None
+
+    def delay():
+        us = delays.get(smp.pp_rank(), 0)
+        end = time.perf_counter() + us * 1e-6
+        while time.perf_counter() < end:
+            pass
+
+    return delay
+
+
 p = argparse.ArgumentParser()
 p.add_argument("--device", default="cuda")
 p.add_argument("--small", action="store_true", help="8 layers of width 256, batch 32 x 64 (for CPUs)")
@@ -67,6 +84,11 @@ p.add_argument("--no-eager", action="store_true", help="with --graphs: time the 
 p.add_argument("--active", default="", help="also time smp interleaved with these active_microbatches")
 p.add_argument("--memory", action="store_true", help="CPU: sample each step's peak resident memory (see above)")
 p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
+p.add_argument("--host-delay", default="",
+               help="RANK:US[,RANK:US]: smp only, pipeline rank RANK's step function spins US microseconds "
+                    "of Python (holding the GIL) after each microbatch's loss. Which rank's host bounds "
+                    "the step shows as the step time growing by about m x US when that rank is delayed, "
+                    "and not when the other is (a causal profile)")
 args = p.parse_args()
 if args.switch_interval is not None:
     import sys
@@ -315,7 +337,7 @@ def main():
         model = smp.DistributedModel(torch.nn.Sequential(*layers(L)).to(DTYPE),
                                      trace_device="gpu" if args.device == "cuda" else "cpu")
         opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
-        train_step = smp_train_step(smp)
+        train_step = smp_train_step(smp, host_delay(args.host_delay))
         base = smp._state.cfg
         suffixes = ([] if args.no_eager and args.graphs else [""]) + (["_graphs"] if args.graphs else []) + \
             (["_ckpt"] if args.act_ckpt else [])
@@ -348,7 +370,8 @@ def main():
                         opt.step()
 
                     before = dict(model._runtime.graphs.counters) if model._runtime is not None else {}
-                    name = f"smp_{pipeline}_m{m}" + (f"_a{active}" if active else "") + suffix
+                    name = f"smp_{pipeline}_m{m}" + (f"_a{active}" if active else "") + suffix + \
+                        (f"_delay{args.host_delay.replace(':', 'r').replace(',', '_')}" if args.host_delay else "")
                     t = timed(step, barrier)
                     extra = None
                     if suffix == "_graphs":  # each rank's replays and captures in this configuration, as evidence

@@ -14,11 +14,15 @@ def loss_fn(out, target):
     return (out.float() - target.float()).pow(2).mean()
 
 
-def smp_train_step(smp):
-    """The @smp.step function the benchmarks time: forward, loss, model.backward."""
+def smp_train_step(smp, host_delay=None):
+    """The @smp.step function the benchmarks time: forward, loss, model.backward.
+    `host_delay` (pipeline_bench's --host-delay) runs between the loss and the backward of
+    each microbatch on every rank."""
     @smp.step
     def train_step(model, x, y):
         loss = loss_fn(model(x), y)
+        if host_delay is not None:
+            host_delay()
         model.backward(loss)
         return loss
 

@@ -48,7 +48,6 @@ import smdistributed.modelparallel.torch as smp
 from pipeline_model import encoder_layers, loss_fn, smp_train_step
 
 
-
 def host_delay(spec: str):
     """--host-delay's function: spins the microseconds given for this pipeline rank, if any."""
     delays = dict(tuple(int(v) for v in item.split(":")) for item in spec.split(",") if item)

@@ -23,8 +23,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from smdistributed.common.ports import HIGHEST as PORTS_HIGHEST
-from smdistributed.common.ports import LOWEST as PORTS_LOWEST
+from smdistributed.common.ports import HIGHEST as PORTS_HIGHEST, LOWEST as PORTS_LOWEST
 
 
 class DiscoveryError(RuntimeError):

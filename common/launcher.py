@@ -27,9 +27,7 @@ import sys
 import threading
 import time
 
-from smdistributed.common.ports import HIGHEST as PORTS_HIGHEST
-from smdistributed.common.ports import LOWEST as PORTS_LOWEST
-from smdistributed.common.ports import free_listen_ports
+from smdistributed.common.ports import HIGHEST as PORTS_HIGHEST, LOWEST as PORTS_LOWEST, free_listen_ports
 
 PROG = "smddprun"
 _GRACE_S = 5.0  # between SIGTERM and SIGKILL when stopping ranks
@@ -153,14 +151,6 @@ def _layout(hosts: list[tuple[str, int]], np: int) -> list[tuple[str, int]]:
 
 # ----------------------------------------------------------------------------- one host
 
-def _free_ports() -> tuple[int, int]:
-    """A port for our store and one for torch's MASTER_PORT, outside the ephemeral range
-    (ports.py says why) and not adjacent: discovery prefers SMDDP_STORE_PORT over
-    MASTER_PORT+1, but a torch script may still open MASTER_PORT+1 for something of its own."""
-    store, master = free_listen_ports(2)
-    return store, master
-
-
 def _rank_groups(np: int, groups: int) -> list[range]:
     """np ranks in `groups` contiguous runs, sizes differing by at most one."""
     base, extra = divmod(np, groups)
@@ -190,7 +180,9 @@ def _usable_cores() -> int:
 
 
 def _child_envs(np: int, simulate_hosts: int | None) -> list[dict[str, str]]:
-    store_port, master_port = _free_ports()
+    # Outside the ephemeral range (ports.py says why) and not adjacent: discovery prefers
+    # SMDDP_STORE_PORT over MASTER_PORT+1, but a torch script may still open MASTER_PORT+1.
+    store_port, master_port = free_listen_ports(2)
     # Simulated hosts share this machine's cores: divide them over every rank here.
     threads = threads_per_rank(np)
     if threads is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import random
 import socket
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 # Linux's default ephemeral range, used where /proc does not say (and IANA's on other systems
 # starts higher, at 49152, so ports below 32768 are outside it there too).
@@ -59,11 +59,11 @@ def _bindable(port: int) -> bool:
     return True
 
 
-def free_listen_ports(count: int, avoid: Optional[set] = None) -> List[int]:
+def free_listen_ports(count: int) -> List[int]:
     """`count` distinct ports that nothing holds now, outside the ephemeral range, no two
     adjacent (a store may listen on MASTER_PORT + 1). Falls back to ports the kernel picks
     when no span outside the range exists (a range configured to cover nearly everything)."""
-    taken = set(avoid or ())
+    taken: set = set()
     chosen: List[int] = []
     spans = _candidates()
     rng = random.SystemRandom()

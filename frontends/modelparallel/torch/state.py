@@ -64,7 +64,8 @@ def _startup_timeout() -> Dict[str, timedelta]:
     if not raw:
         return {}
     try:
-        return {"timeout": timedelta(seconds=float(raw))} if float(raw) > 0 else {}
+        seconds = float(raw)
+        return {"timeout": timedelta(seconds=seconds)} if seconds > 0 else {}
     except (ValueError, OverflowError):  # not a number; inf or too large for a timedelta
         raise ValueError(f"SMDDP_TIMEOUT={raw!r} is not a finite number of seconds") from None
 

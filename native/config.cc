@@ -84,6 +84,13 @@ const std::vector<ConfigVar>& config_table() {
        "starts each microbatch's backward from its own copy of the loss (as a last pipeline stage "
        "does), saving two messages per microbatch; needs the step function to compute the same "
        "loss from the same output on every rank. 0: the root sends the output's gradient"},
+      {"SMDDP_SMP_HOLD_ANSWER_MS", "50",
+       "smp pipelines, \"interleaved\", with SMDDP_SMP_OUTPUT_BACKWARD: the last stage holds the "
+       "root's copy of each microbatch's output until its backward and sends it in the input "
+       "gradients' message, one message a microbatch instead of two. Sent alone at once when the "
+       "step function calls the model again or ends without model.backward, and after this many "
+       "ms otherwise (a step function that waits on the root between its model call and "
+       "model.backward, in a collective say, then pays this per microbatch). 0: sent at once"},
       {"SMDDP_SMP_CHAIN_CALLS", "1",
        "smp pipelines: 1: consecutive runs of an nn.Sequential's children on other partitions are "
        "one chained call: each stage sends its output straight to the next and, in the backward, "

@@ -745,7 +745,7 @@ def test_last_stage_gradients_can_reach_the_root_before_its_answer(pipeline):
     before the call's answer. With every answer held back 0.2 s (SMP_TEST_SLOW_ANSWERS, the
     real transport), they do, and training still equals one process."""
     results = run_world(2, "smp_pipeline.py", ["seqparts", "manual", pipeline, "2", "4", "2"],
-                        env={"SMP_TEST_SLOW_ANSWERS": "0.2"}, timeout=120)
+                        env={"SMP_TEST_SLOW_ANSWERS": "0.2", "SMDDP_SMP_HOLD_ANSWER_MS": "0"}, timeout=120)
     assert_all_ok(results)
     reports = {r.event("trained")["pp_rank"]: r.event("trained") for r in results}
     for r in reports.values():
@@ -754,6 +754,55 @@ def test_last_stage_gradients_can_reach_the_root_before_its_answer(pipeline):
     assert reports[1]["output_backwards"] == 2 * 4, reports[1]
     assert reports[1]["gradients_before_answer"] > 0, reports[1]
     assert reports[0]["gradients_before_answer"] == 0, reports[0]
+
+
+@pytest.mark.parametrize("procs, env, merged", [
+    (2, {}, 3 * 4),
+    (4, {}, 3 * 4),
+    (2, {"SMDDP_SMP_HOLD_ANSWER_MS": "0"}, 0),
+], ids=["pp2", "pp2xdp2", "knob-off"])
+def test_the_last_stage_sends_its_answer_with_the_input_gradients(procs, env, merged):
+    """Under "interleaved" the last stage holds each answer to the root (the root's copy of the
+    model output) until its backward and sends it in the input gradients' message: one
+    message a microbatch instead of two (held_answers.py). The hold is 10 s here, so an
+    answer that missed its backward would show as a late one (or a step 10 s long). Training
+    still equals one process; with the knob at 0 nothing is held."""
+    env = {"SMDDP_SMP_HOLD_ANSWER_MS": "10000", **env}
+    results = run_world(procs, "smp_pipeline.py", ["seqparts", "manual", "interleaved", "2", "4", "3"], env=env,
+                        timeout=120)
+    assert_all_ok(results)
+    for r in (r.event("trained") for r in results):
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+        assert r["late_answers"] == 0, r
+        assert r["merged_answers"] == (merged if r["pp_rank"] == 1 else 0), r
+
+
+@pytest.mark.parametrize("case, env", [
+    ("second-call", {"SMP_TEST_SECOND_CALL": "1", "SMP_TEST_EVAL_STEP": "1", "SMDDP_SMP_HOLD_ANSWER_MS": "10000"}),
+    ("waits-on-root", {"SMP_TEST_WAIT_ON_ROOT": "1", "SMDDP_SMP_HOLD_ANSWER_MS": "50"}),
+])
+def test_a_held_answer_leaves_alone_when_the_step_function_does_not_go_straight_to_backward(case, env):
+    """What the last stage's step function may do between its model call and model.backward
+    that needs the root's step function to have its answer first:
+    - a second model call (the root makes it only once it has the first answer), and an
+      evaluation step that ends without model.backward: the held answer leaves at once, alone
+      (with a 10 s hold, a miss would cost 10 s a microbatch);
+    - a wait smp cannot see (here on the c10d store, for the root's step function to pass its
+      model call; a collective with the root is the same): the answer leaves alone after
+      SMDDP_SMP_HOLD_ANSWER_MS instead of the step hanging.
+    Training equals one process either way."""
+    results = run_world(2, "smp_pipeline.py", ["seqparts", "manual", "interleaved", "2", "4", "3"], env=env,
+                        timeout=120)
+    assert_all_ok(results)
+    reports = {r.event("trained")["pp_rank"]: r.event("trained") for r in results}
+    for r in reports.values():
+        assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
+        assert r["merged_answers"] == 0, r
+    if case == "second-call":
+        assert reports[1]["late_answers"] == 0, reports[1]
+        assert reports[1]["eval_step_s"] < 5, reports[1]
+    else:
+        assert reports[1]["late_answers"] == 3 * 4, reports[1]
 
 
 @pytest.mark.parametrize("procs, model, pipeline, env, hops", [

@@ -26,6 +26,12 @@ DEVICE = os.environ.get("SMDDP_TEST_DEVICE", "cpu")
 # bf16 autocast around the reference and the step ("1"), or entered inside the step function ("inside")
 AUTOCAST = os.environ.get("SMP_TEST_AUTOCAST") in ("1", "inside")
 AUTOCAST_INSIDE = os.environ.get("SMP_TEST_AUTOCAST") == "inside"
+# The step function calls the model a second time before model.backward (its result times 0
+# joins the loss, which leaves the loss and the gradients as they are).
+SECOND_CALL = os.environ.get("SMP_TEST_SECOND_CALL") == "1"
+# The step function waits between its model call and model.backward until the root's step
+# function has passed its model call (through the c10d store: a wait that smp cannot see).
+WAIT_ON_ROOT = os.environ.get("SMP_TEST_WAIT_ON_ROOT") == "1"
 
 
 class Block(nn.Module):
@@ -321,9 +327,13 @@ def main():
         # (an autocast entered with enabled=False would turn the one around the step off)
         with torch.autocast(dev.type, dtype=torch.bfloat16) if AUTOCAST_INSIDE else contextlib.nullcontext():
             out = model(x, scale=0.5) if MODEL == "skip" else model(x)
+            if WAIT_ON_ROOT:
+                wait_on_root(model)
             logits = out["logits"] if isinstance(out, dict) else out
             assert logits.dtype == (torch.bfloat16 if AUTOCAST else torch.float32), logits.dtype
             loss = loss_of(out, y)
+            if SECOND_CALL:
+                loss = loss + 0 * model(x).sum()
         loss_graphs.append(loss.requires_grad)
         model.backward(loss)
         return loss
@@ -343,6 +353,19 @@ def main():
         opt.step()
         losses.append(loss.item())
 
+    eval_step_s = None
+    if os.environ.get("SMP_TEST_EVAL_STEP") == "1":  # gradients on, no model.backward (metrics, say)
+        @smp.step
+        def eval_step(model, x, y):
+            return loss_of(model(x), y)
+
+        began = time.time()
+        x, y = data[0]
+        shard = slice(smp.dp_rank() * BATCH, (smp.dp_rank() + 1) * BATCH)
+        eval_loss = eval_step(model, x[shard], y[shard]).reduce_mean().item()
+        eval_step_s = time.time() - began
+        assert eval_loss == eval_loss, "the evaluation step's loss is NaN"
+
     full = model.state_dict()
     ref_sd = {k: v.cpu() for k, v in ref.state_dict().items()}
     worst = max(((full[k] - ref_sd[k]).abs().max() / (ref_sd[k].abs().max() + 1e-12)).item() for k in ref_sd)
@@ -356,7 +379,29 @@ def main():
            loss_graphs=sum(loss_graphs), kept_after_steps=step_tensors_alive(),
            forward_threads=len(forward_threads), graphs=dict(model._runtime.graphs.counters),
            graph_layout=model._runtime.graphs.layout(), others_on=others_on, link_ctas=link_ctas(),
-           gradients_before_answer=gradients_before_answer(sent_order))
+           gradients_before_answer=gradients_before_answer(sent_order),
+           merged_answers=model._runtime.held_answers.merged, late_answers=model._runtime.held_answers.late,
+           eval_step_s=eval_step_s)
+
+
+_root_passes = {}  # waits so far on this rank, per store key (wait_on_root)
+_root_passes_lock = threading.Lock()  # (each microbatch's step function runs on a thread of its own)
+
+
+def wait_on_root(model):
+    """The root's step function counts its model calls in the c10d store; the others' wait
+    until it has made as many as they have waited for (per data-parallel replica)."""
+    store = torch.distributed.distributed_c10d._get_default_store()
+    key = f"smp_test_root_passed_{smp.dp_rank()}"
+    if smp.pp_rank() == model._runtime.root_owner:
+        store.add(key, 1)
+        return
+    with _root_passes_lock:
+        n = _root_passes[key] = _root_passes.get(key, 0) + 1
+    deadline = time.time() + 60
+    while store.add(key, 0) < n:
+        assert time.time() < deadline, "the root's step function never passed its model call"
+        time.sleep(0.002)
 
 
 def hold_back_answers(delay_s: float):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import pickle
 import threading
 import traceback
 from dataclasses import dataclass, field
@@ -34,11 +35,12 @@ import torch
 from smdistributed.common import config
 
 from .blas_workspaces import free_blas_workspaces
+from .held_answers import HeldAnswer, HeldAnswers
 from .stall_report import StallReport
 from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
 from .activation_checkpointing import checkpoint_options
 from .stage_graphs import StageGraphs
-from .wire import Links, Message, QuietLink, encode, take
+from .wire import Links, Message, QuietLink, decode, encode, take
 from .timeline import Timeline
 from .workers import TaskHandle, WorkerPool
 
@@ -164,6 +166,10 @@ class PipelineRuntime:
         self.output_backward = config.value("SMDDP_SMP_OUTPUT_BACKWARD") != "0"
         self.chain_calls = config.value("SMDDP_SMP_CHAIN_CALLS") != "0"  # see call_remote
         self.chained_hops = 0  # forwards this rank passed straight to the next hop of a chain, ever
+        # The last stage's answers to the root wait for the input gradients, to leave in their
+        # message (held_answers.py); 0: they leave at once.
+        self.held_answers = HeldAnswers(float(config.value("SMDDP_SMP_HOLD_ANSWER_MS")) / 1e3, self._send_held_alone,
+                                        self._held_answer_failed, device)
         self.output_backwards = 0  # microbatches whose backward this rank started from its own loss, ever
         self.timeline = Timeline(global_ranks[pp_rank])
         if self.timeline.enabled:
@@ -354,6 +360,12 @@ class PipelineRuntime:
         finally:
             _local.task = None
             self.graphs.release(task.leases)  # its backward on this rank is done
+            # An answer still held (no model.backward here) leaves now: after this microbatch
+            # ends, this rank's "end" could overtake it.
+            if self._error is None:
+                self.held_answers.flush((self._step, mb), self.aborted)
+            else:
+                self.held_answers.drop((self._step, mb))
             with self._lock:
                 unstarted = self._output_frames.pop(mb, None)
             if unstarted is not None and self._error is None:
@@ -448,6 +460,8 @@ class PipelineRuntime:
             self._without_token(lambda: self._send_all(Message("out", {"mb": task.mb, "k": k}, out), skip=skip,
                                                         made_at=made))
             return out
+        if k:  # the root's step function gets to this call only once it has its first answer
+            self._without_token(lambda: self.held_answers.flush((self._step, task.mb), self.aborted))
         return self._wait(("out", task.mb, k), f"the model output of microbatch {task.mb} from pipeline rank "
                                                f"{self.root_owner} (the root's)")
 
@@ -520,11 +534,27 @@ class PipelineRuntime:
         their graph, and its copy of the loss is the root's (every rank runs the step function on
         the same output values). Backward starts here, as torch's last pipeline stage does it,
         and the input gradients go to the caller unasked: no round trip through the root for the
-        gradient of the output."""
-        dst, msg = self._frame_backward(call_id, seeds, seed_grads)
-        with self._lock:
-            self.output_backwards += 1
-        self._send_in_turn(dst, msg)
+        gradient of the output. The answer to the root's call, when held for it
+        (held_answers.py), leaves in the same message."""
+        key = (self._step, current_task().mb)
+        held = self.held_answers.claim(key)
+        merged = False
+        try:
+            dst, msg = self._frame_backward(call_id, seeds, seed_grads)
+            with self._lock:
+                self.output_backwards += 1
+            if held is not None and dst == held.dst and msg.kind == "bwd_done":
+                if held.made is not None:  # (the copies were made on another thread)
+                    torch.cuda.current_stream(self.device).wait_event(held.made)
+                msg = Message("fwd_bwd_done", {"id": msg.fields["id"], "answer": held.meta},
+                              (held.tensors, msg.body))
+                merged = True
+            elif held is not None:
+                self._without_token(lambda: self._send_held_alone(held))
+            self._send_in_turn(dst, msg)
+        finally:
+            if held is not None:
+                self.held_answers.sent(key, held, merged)
         self._check_grads_final()
 
     def _backward(self, calls: List[RemoteCall], seeds, seed_grads, last_use: bool = False) -> None:
@@ -745,7 +775,8 @@ class PipelineRuntime:
                     self._abort(StepFailed(self._describe(
                         f"the link from pipeline rank {src} (global rank {self.global_ranks[src]}) failed", e)))
                 return
-            if msg.kind in ("fwd", "bwd", "fwd_done", "bwd_done", "drop") and msg.fields["id"][1] != self._step:
+            if (msg.kind in ("fwd", "bwd", "fwd_done", "bwd_done", "fwd_bwd_done", "drop")
+                    and msg.fields["id"][1] != self._step):
                 self._abort(StepFailed(self._uneven_backward(
                     f"pipeline rank {src} sent pipeline rank {self.pp_rank} a '{msg.kind}' of step "
                     f"{msg.fields['id'][1]} after that step ended here")))
@@ -758,6 +789,13 @@ class PipelineRuntime:
                 key = ((msg.kind, msg.fields["mb"], msg.fields["k"]) if msg.kind == "out"
                        else (msg.kind, msg.fields["id"]))
                 self._deliver(key, (msg.body, tensors, specs, ready))
+            elif msg.kind == "fwd_bwd_done":  # a held answer with its call's input gradients
+                copies, grads = msg.body
+                answer_specs, *answer = pickle.loads(msg.fields["answer"])
+                n = len(copies)
+                answer_body = decode(*answer, copies).body
+                self._deliver(("fwd_done", msg.fields["id"]), (answer_body, copies, answer_specs, ready))
+                self._deliver(("bwd_done", msg.fields["id"]), (grads, tensors[n:], specs[n:], ready))
             elif msg.kind == "end":
                 if src == self.root_owner:
                     self._root_ended = True
@@ -924,6 +962,7 @@ class PipelineRuntime:
         _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve", queue=msg.kind)
         counted = False  # this call holds a place in the stage's window
         turn = None
+        hold = False  # the answer waits for this microbatch's input gradients (held_answers.py)
         try:
             take(tensors, ready)
             if msg.kind == "fwd" and f["grad"] and self._windowed():
@@ -936,10 +975,13 @@ class PipelineRuntime:
                                                                           counted)
                         if local is not None:  # this microbatch's step function computes next, here
                             self._token.expect(priority(FORWARD, f["mb"], self.pipeline))
+                            hold = self._holds_answer(f)
                         # Forward answers leave in the order of the work that made them: a
                         # window wait can leave several runners, and the next stage serves
-                        # forwards in arrival order (BatchNorm's statistics).
-                        turn = self.links.reserve(dst, kind)
+                        # forwards in arrival order (BatchNorm's statistics). (A held answer
+                        # goes by key, with the gradients, and takes no turn.)
+                        if not hold:
+                            turn = self.links.reserve(dst, kind)
                     else:
                         dst, reply = self._serve_backward(f, msg.body)
                         (meta, out), local, kind = encode(reply)[:2], None, reply.kind
@@ -953,13 +995,16 @@ class PipelineRuntime:
                 # ms a microbatch on 2 x H200, m = 8). The answer's copies were made above, and
                 # the step cannot end before the answer arrives (the root waits for it), so
                 # nothing this runner still sends can follow this rank's "end".
+                if hold:  # before the step function can reach model.backward, which claims it
+                    self.held_answers.hold((self._step, f["mb"]), dst, meta, out, made)
                 self._deliver(("out", f["mb"], 0), (local, [], [], None))
             # The drops go before the answer: once it is sent the step can end, and a drop
             # sent after this rank's "end" would reach its peer in the next step.
             for rank, drop in task.drops:
                 self.links.send(rank, drop)
-            sending, turn = turn, None  # the send uses the turn up, whatever happens
-            self.links.send_encoded_in_turn(dst, kind, meta, out, sending, made)
+            if not hold:
+                sending, turn = turn, None  # the send uses the turn up, whatever happens
+                self.links.send_encoded_in_turn(dst, kind, meta, out, sending, made)
         except BaseException as e:
             if turn is not None:  # reserved, never sent: later sends to that peer must not wait for it
                 self.links.pass_turn(dst, kind, turn)
@@ -970,6 +1015,17 @@ class PipelineRuntime:
             if counted:
                 self._window_done(f["mb"])  # this call's place; its frame, if any, keeps its own
             _local.task = None
+
+    def _holds_answer(self, f) -> bool:
+        """Whether the answer to a served forward that made the model output here waits for
+        its microbatch's input gradients: under "interleaved" (under "simple" every forward
+        comes first, so it would wait the whole step), when the call was the root's own (not a
+        chain's later hop, whose gradients go to the previous hop) and left a frame here, so
+        this rank's model.backward will send the root those gradients."""
+        if self.held_answers.hold_s <= 0 or self.pipeline != "interleaved" or "parent" in f:
+            return False
+        with self._lock:
+            return self._output_frames.get(f["mb"], (None,))[0] == f["id"]
 
     def _serve_forward(self, f, body, tensors, specs, task: Task, counted: bool):
         """Runs a forward call for a peer; returns where its answer goes, the answer encoded,
@@ -1119,6 +1175,12 @@ class PipelineRuntime:
                         self.links.send(p, Message("abort", {"why": why}))
                     except BaseException:
                         pass  # that peer is gone: its own link failure ends its step
+
+    def _send_held_alone(self, held: HeldAnswer) -> None:
+        self.links.send_encoded(held.dst, held.meta, held.tensors, held.made)
+
+    def _held_answer_failed(self, e: BaseException) -> None:
+        self._abort(StepFailed(self._describe("sending a held answer to the root", e)))
 
     def _send_all(self, msg: Message, skip: Optional[int] = None, made_at=None) -> None:
         for p in range(self.pp_size):

@@ -76,9 +76,17 @@ def install():
     for attr in ["model_forward", "model_backward", "_backward_from_output", "_frame_backward", "_backward", "_serve",
                  "_serve_forward", "_wait_on", "_send_in_turn", "_without_token", "call_remote", "run_local_children",
                  "_enter_window", "_run_microbatch", "_check_grads_final", "_seeds", "_acquire_in_order",
-                 "_graphable"]:
+                 "_graphable", "run_step", "_join_all"]:
         wrap(rt.PipelineRuntime, attr)
-    for attr in ["run", "_key", "_lease", "_fingerprint", "release", "flush_gradients"]:
+    # What a step costs outside the pipeline's schedule: its entry and exit, the optimizer.
+    import smdistributed.modelparallel.torch.model as model_module
+    import smdistributed.modelparallel.torch.step  # noqa: F401 (the package's `step` is the decorator)
+    step_module = sys.modules["smdistributed.modelparallel.torch.step"]
+    wrap(model_module.DistributedModel, "_run_step")
+    step_module.split_arguments = timer(step_module.split_arguments, "step.split_arguments")
+    step_module._outputs = timer(step_module._outputs, "step._outputs")
+    torch.optim.SGD.step = timer(torch.optim.SGD.step, "torch.optim.SGD.step")
+    for attr in ["run", "_key", "_lease", "_fingerprint", "release", "flush_gradients", "after_step", "release_all"]:
         wrap(sg.StageGraphs, attr)
     wrap(sg._StepAccumulator, "begin")
     for attr in ["send_encoded", "receive", "send", "made_at"]:

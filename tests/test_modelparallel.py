@@ -756,25 +756,35 @@ def test_last_stage_gradients_can_reach_the_root_before_its_answer(pipeline):
     assert reports[0]["gradients_before_answer"] == 0, reports[0]
 
 
-@pytest.mark.parametrize("procs, env, merged", [
-    (2, {}, 3 * 4),
-    (4, {}, 3 * 4),
-    (2, {"SMDDP_SMP_HOLD_ANSWER_MS": "0"}, 0),
-], ids=["pp2", "pp2xdp2", "knob-off"])
-def test_the_last_stage_sends_its_answer_with_the_input_gradients(procs, env, merged):
+@pytest.mark.parametrize("procs, parts, pipeline, env, merged", [
+    (2, 2, "interleaved", {}, {1: 12}),
+    (4, 2, "interleaved", {}, {1: 12}),
+    (3, 3, "interleaved", {"SMDDP_SMP_CHAIN_CALLS": "0"}, {2: 12}),
+    (3, 3, "interleaved", {}, {}),
+    (2, 2, "simple", {}, {}),
+    (2, 2, "interleaved", {"SMDDP_SMP_HOLD_ANSWER_MS": "0"}, {}),
+    (2, 2, "interleaved", {"SMDDP_SMP_HOLD_ANSWER_MS": "2"}, None),
+], ids=["pp2", "pp2xdp2", "pp3-unchained", "pp3-chained", "simple", "knob-off", "short-hold"])
+def test_the_last_stage_sends_its_answer_with_the_input_gradients(procs, parts, pipeline, env, merged):
     """Under "interleaved" the last stage holds each answer to the root (the root's copy of the
     model output) until its backward and sends it in the input gradients' message: one
-    message a microbatch instead of two (held_answers.py). The hold is 10 s here, so an
-    answer that missed its backward would show as a late one (or a step 10 s long). Training
-    still equals one process; with the knob at 0 nothing is held."""
+    message a microbatch instead of two (held_answers.py); 3 steps x 4 microbatches here. The
+    hold is 10 s, so an answer that missed its backward would show as a late one (or a step
+    10 s long). Nothing is held under "simple", by a chain's last hop (its gradients go to the
+    previous hop, not the root), or with the knob at 0. With a 2 ms hold the flusher and the
+    backward race for each answer: every answer leaves once, one way or the other. Training
+    equals one process in every case."""
     env = {"SMDDP_SMP_HOLD_ANSWER_MS": "10000", **env}
-    results = run_world(procs, "smp_pipeline.py", ["seqparts", "manual", "interleaved", "2", "4", "3"], env=env,
+    results = run_world(procs, "smp_pipeline.py", ["seqparts", "manual", pipeline, str(parts), "4", "3"], env=env,
                         timeout=120)
     assert_all_ok(results)
     for r in (r.event("trained") for r in results):
         assert r["param_rel_err"] < 1e-5 and r["loss_rel_err"] < 1e-5, r
-        assert r["late_answers"] == 0, r
-        assert r["merged_answers"] == (merged if r["pp_rank"] == 1 else 0), r
+        if merged is None:  # the race: each of the last stage's answers went exactly one way
+            assert r["merged_answers"] + r["late_answers"] == (12 if r["pp_rank"] == 1 else 0), r
+        else:
+            assert r["late_answers"] == 0, r
+            assert r["merged_answers"] == merged.get(r["pp_rank"], 0), r
 
 
 @pytest.mark.parametrize("case, env", [

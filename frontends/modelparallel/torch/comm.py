@@ -133,7 +133,17 @@ def _recv_bytes(src: int) -> bytes:
     return payload.numpy().tobytes()
 
 
+def _before_waiting_on_peers() -> None:
+    """Inside a step function on the last stage, an answer to the root may be held for the
+    input gradients (held_answers.py): it leaves now, since the root's step function may be
+    this call's peer and it waits for that answer first."""
+    runtime = getattr(state.model, "_runtime", None) if state.model is not None else None
+    if runtime is not None:
+        runtime.flush_held_answer()
+
+
 def send(obj: Any, dest_rank: int, rank_type: RankType) -> None:
+    _before_waiting_on_peers()
     dst = _global_rank(dest_rank, rank_type)
     if dst == rank():
         raise ValueError("smp.send: the destination is this process")
@@ -141,6 +151,7 @@ def send(obj: Any, dest_rank: int, rank_type: RankType) -> None:
 
 
 def recv_from(src_rank: int, rank_type: RankType) -> Any:
+    _before_waiting_on_peers()
     src = _global_rank(src_rank, rank_type)
     if src == rank():
         raise ValueError("smp.recv_from: the source is this process")
@@ -148,6 +159,7 @@ def recv_from(src_rank: int, rank_type: RankType) -> Any:
 
 
 def broadcast(obj: Any, group: CommGroup) -> None:
+    _before_waiting_on_peers()
     data = pickle.dumps(obj)
     for r in _members(group):
         if r != rank():
@@ -155,6 +167,7 @@ def broadcast(obj: Any, group: CommGroup) -> None:
 
 
 def allgather(obj: Any, group: CommGroup) -> List[Any]:
+    _before_waiting_on_peers()
     members = _members(group)
     if len(members) == 1:
         return [obj]
@@ -164,6 +177,7 @@ def allgather(obj: Any, group: CommGroup) -> List[Any]:
 
 
 def barrier(group: CommGroup = CommGroup.WORLD) -> None:
+    _before_waiting_on_peers()
     if len(_members(group)) > 1:
         dist.barrier(group=_process_group(group))
 

@@ -36,6 +36,7 @@ class HeldAnswer:
     meta: bytes  # the answer, encoded (wire.encode); its tensors below
     tensors: List[torch.Tensor]  # copies of the model output, made before the answer was held
     made: Any  # a CUDA event after the copies (Links.made_at), or None
+    key: Hashable  # (step, microbatch)
     deadline: float  # time.monotonic() after which the flusher sends it alone
     claimed: bool = False  # someone is sending it (alone or with the gradients)
     sent: threading.Event = field(default_factory=threading.Event)
@@ -61,7 +62,7 @@ class HeldAnswers:
         self._warned = False
 
     def hold(self, key: Hashable, dst: int, meta: bytes, tensors: List[torch.Tensor], made: Any) -> None:
-        answer = HeldAnswer(dst, meta, tensors, made, time.monotonic() + self.hold_s)
+        answer = HeldAnswer(dst, meta, tensors, made, key, time.monotonic() + self.hold_s)
         with self._cv:
             self._held[key] = answer
             if self._flusher is None:
@@ -69,6 +70,19 @@ class HeldAnswers:
                 self._flusher.start()
             elif self._flusher_idle:  # (else it wakes by the earliest deadline, which is older)
                 self._cv.notify()
+
+    def holds(self, key: Hashable) -> bool:
+        with self._cv:
+            return key in self._held
+
+    def picked_up(self, key: Hashable) -> None:
+        """The step function has its copy of the output: the hold time counts from now (the
+        wait for the compute token before it is not the step function's doing). Deadlines
+        only move later, so the flusher, which wakes by the earliest, needs no notice."""
+        with self._cv:
+            answer = self._held.get(key)
+            if answer is not None:
+                answer.deadline = max(answer.deadline, time.monotonic() + self.hold_s)
 
     def claim(self, key: Hashable) -> Optional[HeldAnswer]:
         """The answer held under `key` for the caller to send, or None (none held, or another
@@ -112,6 +126,20 @@ class HeldAnswers:
         if answer is not None:
             answer.sent.set()
 
+    def drop_step(self, step: int) -> None:
+        """At the end of a step, once its tasks are joined: forgets what a failed step still
+        holds (an answer held by a runner after the abort reached its microbatch), and waits
+        while the flusher finishes a send it began, so nothing of the step leaves later."""
+        with self._cv:
+            left = [a for k, a in self._held.items() if k[0] == step]
+            for a in left:
+                if not a.claimed:
+                    a.claimed = True
+                    self._held.pop(a.key, None)
+                    a.sent.set()
+        for a in left:
+            a.sent.wait(30)
+
     def _flush_due(self) -> None:
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)
@@ -129,16 +157,20 @@ class HeldAnswers:
                     self._cv.wait(None if not waiting else min(waiting)[0] - now)
                 self._flusher_idle = False
             try:
-                self._send_alone(answer)
-                self.late += 1
-                if not self._warned:
-                    self._warned = True
-                    log.warning("smp: the last stage's step function spent over %.0f ms between the model call "
-                                "and model.backward; the root's copy of the output was sent then, alone. If the "
-                                "step function waits on the root there (a collective, say), every microbatch "
-                                "pays this: set SMDDP_SMP_HOLD_ANSWER_MS=0", self.hold_s * 1e3)
+                if self._send_alone(answer):
+                    self.late += 1
+                    if not self._warned:
+                        self._warned = True
+                        log.warning("smp: the last stage's step function spent over %.0f ms between the model "
+                                    "call and model.backward, so the root's copy of the output left alone, without "
+                                    "the input gradients. A slow loss does that now and then; if the step function "
+                                    "waits on the root there (a collective, say), every microbatch pays this wait: "
+                                    "set SMDDP_SMP_HOLD_ANSWER_MS=0", self.hold_s * 1e3)
             except BaseException as e:  # the link failed: the step fails on every rank
-                self._on_error(e)
+                try:
+                    self._on_error(e)
+                except BaseException:  # (this thread must live on: later answers need it)
+                    log.exception("smp: reporting a failed send of a held answer failed")
             finally:
                 self.sent(key, answer)
             answer = None

@@ -291,6 +291,7 @@ class PipelineRuntime:
             raise
         finally:
             self.graphs.release_all()  # frames that never had a backward (evaluation, a failure)
+            self.held_answers.drop_step(self._step)  # a failed step's (see drop_step)
         if self._error is None:
             try:
                 self.graphs.flush_gradients()
@@ -362,10 +363,13 @@ class PipelineRuntime:
             self.graphs.release(task.leases)  # its backward on this rank is done
             # An answer still held (no model.backward here) leaves now: after this microbatch
             # ends, this rank's "end" could overtake it.
-            if self._error is None:
-                self.held_answers.flush((self._step, mb), self.aborted)
-            else:
-                self.held_answers.drop((self._step, mb))
+            try:
+                if self._error is None:
+                    self.held_answers.flush((self._step, mb), self.aborted)
+                else:
+                    self.held_answers.drop((self._step, mb))
+            except BaseException as e:
+                self._held_answer_failed(e)
             with self._lock:
                 unstarted = self._output_frames.pop(mb, None)
             if unstarted is not None and self._error is None:
@@ -461,9 +465,21 @@ class PipelineRuntime:
                                                         made_at=made))
             return out
         if k:  # the root's step function gets to this call only once it has its first answer
-            self._without_token(lambda: self.held_answers.flush((self._step, task.mb), self.aborted))
-        return self._wait(("out", task.mb, k), f"the model output of microbatch {task.mb} from pipeline rank "
-                                               f"{self.root_owner} (the root's)")
+            self.flush_held_answer()
+        out = self._wait(("out", task.mb, k), f"the model output of microbatch {task.mb} from pipeline rank "
+                                              f"{self.root_owner} (the root's)")
+        if not k:
+            self.held_answers.picked_up((self._step, task.mb))
+        return out
+
+    def flush_held_answer(self) -> None:
+        """The current microbatch's held answer (held_answers.py) leaves alone now: its step
+        function is about to wait for something the root's step function does after its model
+        call (a second model call, smp's own collectives and messages)."""
+        task = current_task()
+        if task is None or task.kind != "step" or not self.held_answers.holds((self._step, task.mb)):
+            return
+        self._without_token(lambda: self.held_answers.flush((self._step, task.mb), self.aborted))
 
     def model_backward(self, tensors, grads) -> None:
         task = current_task()
@@ -540,18 +556,30 @@ class PipelineRuntime:
         held = self.held_answers.claim(key)
         merged = False
         try:
-            dst, msg = self._frame_backward(call_id, seeds, seed_grads)
+            try:
+                dst, msg = self._frame_backward(call_id, seeds, seed_grads)
+            except BaseException:
+                if held is not None and self._error is None:  # the root still waits for it
+                    try:
+                        self._without_token(lambda: self._send_held_alone(held))
+                    except BaseException:
+                        pass  # the backward's error is what the step reports
+                raise
             with self._lock:
                 self.output_backwards += 1
+            # (Always so, as _holds_answer holds only answers whose gradients go to the root;
+            # otherwise the answer would leave first, alone.)
             if held is not None and dst == held.dst and msg.kind == "bwd_done":
                 if held.made is not None:  # (the copies were made on another thread)
                     torch.cuda.current_stream(self.device).wait_event(held.made)
                 msg = Message("fwd_bwd_done", {"id": msg.fields["id"], "answer": held.meta},
                               (held.tensors, msg.body))
+                self._send_in_turn(dst, msg)
                 merged = True
-            elif held is not None:
-                self._without_token(lambda: self._send_held_alone(held))
-            self._send_in_turn(dst, msg)
+            else:
+                if held is not None:
+                    self._without_token(lambda: self._send_held_alone(held))
+                self._send_in_turn(dst, msg)
         finally:
             if held is not None:
                 self.held_answers.sent(key, held, merged)
@@ -1022,7 +1050,8 @@ class PipelineRuntime:
         comes first, so it would wait the whole step), when the call was the root's own (not a
         chain's later hop, whose gradients go to the previous hop) and left a frame here, so
         this rank's model.backward will send the root those gradients."""
-        if self.held_answers.hold_s <= 0 or self.pipeline != "interleaved" or "parent" in f:
+        if (self.held_answers.hold_s <= 0 or self.pipeline != "interleaved" or "parent" in f
+                or self._error is not None):
             return False
         with self._lock:
             return self._output_frames.get(f["mb"], (None,))[0] == f["id"]
@@ -1176,8 +1205,13 @@ class PipelineRuntime:
                     except BaseException:
                         pass  # that peer is gone: its own link failure ends its step
 
-    def _send_held_alone(self, held: HeldAnswer) -> None:
+    def _send_held_alone(self, held: HeldAnswer) -> bool:
+        """Sends a held answer by itself; False when its step failed or is over (nothing of a
+        step may leave after it: the peers stopped reading at its abort or "end")."""
+        if self._error is not None or held.key[0] != self._step:
+            return False
         self.links.send_encoded(held.dst, held.meta, held.tensors, held.made)
+        return True
 
     def _held_answer_failed(self, e: BaseException) -> None:
         self._abort(StepFailed(self._describe("sending a held answer to the root", e)))

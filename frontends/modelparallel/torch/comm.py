@@ -137,7 +137,7 @@ def _before_waiting_on_peers() -> None:
     """Inside a step function on the last stage, an answer to the root may be held for the
     input gradients (held_answers.py): it leaves now, since the root's step function may be
     this call's peer and it waits for that answer first."""
-    runtime = getattr(state.model, "_runtime", None) if state.model is not None else None
+    runtime = getattr(state.model, "_runtime", None)  # (none before the model is partitioned)
     if runtime is not None:
         runtime.flush_held_answer()
 

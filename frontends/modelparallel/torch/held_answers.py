@@ -106,25 +106,20 @@ class HeldAnswers:
         """Sends the answer held under `key` alone now, or waits while the flusher sends it:
         the caller is about to wait for the root, or to end the microbatch (after which
         nothing of it may leave: the step's "end" could overtake it)."""
-        answer = self.claim(key)
-        if answer is not None:
+        with self._cv:
+            answer = self._held.get(key)
+            mine = answer is not None and not answer.claimed
+            if mine:
+                answer.claimed = True
+        if mine:  # (a failed step's is not sent: _send_alone refuses it)
             try:
                 self._send_alone(answer)
             finally:
                 self.sent(key, answer)
             return
-        with self._cv:
-            answer = self._held.get(key)
         while answer is not None and not answer.sent.wait(0.5):
             if aborted() is not None:
                 return
-
-    def drop(self, key: Hashable) -> None:
-        """Forgets an answer of a failed microbatch (the step is over on every rank)."""
-        with self._cv:
-            answer = self._held.pop(key, None)
-        if answer is not None:
-            answer.sent.set()
 
     def drop_step(self, step: int) -> None:
         """At the end of a step, once its tasks are joined: forgets what a failed step still
@@ -146,15 +141,15 @@ class HeldAnswers:
         while True:
             with self._cv:
                 while True:
-                    waiting = [(a.deadline, k) for k, a in self._held.items() if not a.claimed]
+                    due = min(((a.deadline, k) for k, a in self._held.items() if not a.claimed), default=None)
                     now = time.monotonic()
-                    if waiting and min(waiting)[0] <= now:
-                        key = min(waiting)[1]
+                    if due is not None and due[0] <= now:
+                        key = due[1]
                         answer = self._held[key]
                         answer.claimed = True
                         break
-                    self._flusher_idle = not waiting
-                    self._cv.wait(None if not waiting else min(waiting)[0] - now)
+                    self._flusher_idle = due is None
+                    self._cv.wait(None if due is None else due[0] - now)
                 self._flusher_idle = False
             try:
                 if self._send_alone(answer):

@@ -362,12 +362,9 @@ class PipelineRuntime:
             _local.task = None
             self.graphs.release(task.leases)  # its backward on this rank is done
             # An answer still held (no model.backward here) leaves now: after this microbatch
-            # ends, this rank's "end" could overtake it.
+            # ends, this rank's "end" could overtake it. (A failed step's stays; see drop_step.)
             try:
-                if self._error is None:
-                    self.held_answers.flush((self._step, mb), self.aborted)
-                else:
-                    self.held_answers.drop((self._step, mb))
+                self.held_answers.flush((self._step, mb), self.aborted)
             except BaseException as e:
                 self._held_answer_failed(e)
             with self._lock:

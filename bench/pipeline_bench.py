@@ -17,7 +17,9 @@ Model (GPU): 16 TransformerEncoderLayers (width 1024, 16 heads, ffn 4096), bf16 
 batch 64 x 256, loss = mean square of the output, SGD; split 8 + 8 (the anchor's setup).
 Prints one 'RESULT {json}' line on rank 0: step time, samples/s, speedup over one device
 (ideal P*m/(m+P-1)), idle fraction 1 - speedup/P (bubble plus overheads), peak memory per rank,
-and each rank's CPU time a step (cpu_ms: all the process's threads, the host's work).
+and each rank's CPU time a step (cpu_ms: all the process's threads, the host's work); rank 0's
+min, median and max time between two step returns (step_spread_ms: whether a slow run is slow
+at every step or at some).
 
 Peak memory: on GPUs, torch's max_memory_allocated over the warm-up and timed steps
 (peak_gb; the warm-up holds the stage graphs' captures) and over the timed steps alone
@@ -174,6 +176,7 @@ def step_rss_peak_gb(step, rank_sync, steps=2):
 
 
 last_cpu_ms = [0.0]  # the process's CPU time (all its threads) per timed step, of the last timed()
+last_spread = [[]]  # this rank's host time between step returns of the last timed(): min, median, max ms
 
 
 def timed(step, rank_sync):
@@ -183,9 +186,14 @@ def timed(step, rank_sync):
             end_warmup_peaks()
             rank_sync()
             t0, c0 = time.perf_counter(), time.process_time()
+            returns = [t0]
         step()
+        if i >= args.warmup:
+            returns.append(time.perf_counter())
     sync()
     last_cpu_ms[0] = (time.process_time() - c0) / args.steps * 1e3
+    gaps = sorted(b - a for a, b in zip(returns, returns[1:]))
+    last_spread[0] = [round(gaps[0] * 1e3, 1), round(gaps[len(gaps) // 2] * 1e3, 1), round(gaps[-1] * 1e3, 1)]
     return (time.perf_counter() - t0) / args.steps
 
 
@@ -250,7 +258,7 @@ def main():
         cpus = [torch.zeros_like(cpu) for _ in range(world)]
         dist.all_gather(cpus, cpu, group=cpu_group)
         entry = dict(step_ms=t * 1e3, samples_s=replicas * B / t, peak_gb=peaks,
-                     cpu_ms=[round(c.item(), 2) for c in cpus], **(extra or {}))
+                     cpu_ms=[round(c.item(), 2) for c in cpus], step_spread_ms=last_spread[0], **(extra or {}))
         if args.device == "cuda":
             entry["held_before_gb"] = held
             # Reserved counts what graph pools hold between replays (allocated does not).

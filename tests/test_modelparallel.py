@@ -21,6 +21,7 @@ from smdistributed.modelparallel.torch.config import ConfigError, resolve  # noq
 from smdistributed.modelparallel.torch.partition import _linear_partition, auto_assignment  # noqa: E402
 from smdistributed.modelparallel.torch.activation_checkpointing import checkpoint_options  # noqa: E402
 from smdistributed.modelparallel.torch.scheduler import ComputeToken  # noqa: E402
+from smdistributed.modelparallel.torch.run_view import RunView  # noqa: E402
 from smdistributed.modelparallel.torch.stage_graphs import StageGraphs, _StepAccumulator  # noqa: E402
 from smdistributed.modelparallel.torch.step import StepOutput, split_arguments  # noqa: E402
 from smdistributed.modelparallel.torch.topology import Topology  # noqa: E402
@@ -465,6 +466,51 @@ def test_a_graphed_runs_fingerprint_changes_with_whatever_its_capture_took_as_fi
     assert checkpoint_options(run[1]) is None
     smp.set_activation_checkpointing(run[1])
     assert checkpoint_options(run[1]) == {"preserve_rng_state": True}
+
+
+def test_a_graphed_runs_kept_view_sees_every_change_the_full_walk_sees():
+    """The view StageGraphs keeps of a run (run_view.py) is checked at every call, and must
+    give what a fresh walk of the modules gives after any change: a submodule replaced or
+    removed deep inside, a parameter or buffer replaced or deleted, a mode, a hook, an
+    activation-checkpointing mark."""
+    graphs = StageGraphs(enabled=False)
+    inner = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    run = [nn.Sequential(inner, nn.ReLU()), nn.Linear(4, 2)]
+    run_id = ("m", 0, 2)
+
+    def agrees():
+        view = graphs.view(run_id, run)
+        fresh = RunView(run)
+        assert view.fingerprint() == fresh.fingerprint() == StageGraphs._fingerprint(run)
+        assert view.hooked_or_checkpointed() == fresh.hooked_or_checkpointed()
+        return view.fingerprint(), view.hooked_or_checkpointed()
+
+    base = agrees()
+    assert graphs.view(run_id, run) is graphs.view(run_id, run)  # unchanged: not walked again
+    assert agrees() == base
+    changes = [
+        lambda: inner.__setitem__(0, nn.Linear(4, 4)),  # a submodule deep inside, replaced
+        lambda: setattr(inner[1], "running_var", torch.ones(4)),  # a buffer replaced
+        lambda: setattr(run[1], "bias", nn.Parameter(torch.zeros(2))),  # a parameter replaced
+        lambda: inner[0].weight.requires_grad_(False),
+        lambda: setattr(inner[0].weight, "data", inner[0].weight.data.clone()),
+        lambda: inner[1].eval(),
+        lambda: delattr(run[1], "bias"),  # a parameter deleted
+        lambda: inner.add_module("extra", nn.Linear(4, 4)),  # a submodule added
+        lambda: delattr(inner, "extra"),
+    ]
+    before = base[0]
+    for change in changes:
+        change()
+        now, hooked = agrees()
+        assert now != before and not hooked
+        before = now
+    handle = inner[0].register_forward_hook(lambda *a: None)
+    assert agrees()[1]
+    handle.remove()
+    assert not agrees()[1]
+    smp.set_activation_checkpointing(inner[1])
+    assert agrees()[1]
 
 
 class _Replayed:

@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import pickle
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -34,11 +35,11 @@ import torch
 
 from smdistributed.common import config
 
+from . import cuda_streams
 from .blas_workspaces import free_blas_workspaces
 from .held_answers import HeldAnswer, HeldAnswers
 from .stall_report import StallReport
 from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
-from .activation_checkpointing import checkpoint_options
 from .stage_graphs import StageGraphs
 from .wire import Links, Message, QuietLink, decode, encode, take
 from .timeline import Timeline
@@ -127,11 +128,6 @@ def autocast_state() -> Dict[str, Any]:
     return out
 
 
-def _has_hooks(module: torch.nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
-
-
 def current_task() -> Optional[Task]:
     return getattr(_local, "task", None)
 
@@ -183,7 +179,7 @@ class PipelineRuntime:
         # bounds it (_depth_window).
         self.window: Optional[int] = None
         self.window_by_depth = False  # set by the model for layouts other than that chain
-        self._graphable_runs: Dict[tuple, List[torch.nn.Module]] = {}  # run -> its modules ([]: not local)
+        self._local_runs: Dict[tuple, tuple] = {}  # run -> (its module view, whether all of it is local)
         self.stall = StallReport(float(config.value("SMDDP_STALL_WARNING")))
         self.stall.header = lambda: (f"pipeline rank {self.pp_rank} (global rank {self.global_ranks[self.pp_rank]}), "
                                      f"step {self._step}")
@@ -242,6 +238,7 @@ class PipelineRuntime:
         if self._broken is not None:
             raise StepFailed(f"smp.step: an earlier step failed ({self._broken}); the pipeline cannot continue")
         self._step += 1
+        started = time.perf_counter()  # the step's span in the timeline
         self._reset()
         # Nothing of an earlier step that left through an exception may be added to this one's.
         self.graphs.discard_gradients()
@@ -305,6 +302,7 @@ class PipelineRuntime:
                 raise self._error
             raise StepFailed(str(self._error)) from self._error
         self._frames.clear()
+        self.timeline.add(f"step {self._step}", "step", started, time.perf_counter())
         self.timeline.flush()
         return results
 
@@ -568,7 +566,7 @@ class PipelineRuntime:
             # otherwise the answer would leave first, alone.)
             if held is not None and dst == held.dst and msg.kind == "bwd_done":
                 if held.made is not None:  # (the copies were made on another thread)
-                    torch.cuda.current_stream(self.device).wait_event(held.made)
+                    cuda_streams.current(self.device.index).wait_event(held.made)
                 msg = Message("fwd_bwd_done", {"id": msg.fields["id"], "answer": held.meta},
                               (held.tensors, msg.body))
                 self._send_in_turn(dst, msg)
@@ -731,16 +729,14 @@ class PipelineRuntime:
 
     def _graphable(self, run_id: tuple, children: List[torch.nn.Module]) -> bool:
         """Whether a run is local through and through: a submodule on another partition would
-        make a remote call inside the capture, and a checkpointed one recomputes in backward."""
-        subs = self._graphable_runs.get(run_id)
-        if subs is None:
-            subs = [m for c in children for m in c.modules()]
-            if not all(id(m) in self.local_module_ids for m in subs):
-                subs = []
-            self._graphable_runs[run_id] = subs
-        # Checked at each call: a module may be marked, or get hooks, after the partition. A
-        # replay would skip a hook's Python (it ran at the capture only).
-        return bool(subs) and all(checkpoint_options(m) is None and not _has_hooks(m) for m in subs)
+        make a remote call inside the capture, and a checkpointed one recomputes in backward.
+        Checked at each call: a module may be marked, or get hooks, after the partition (a
+        replay would skip a hook's Python: it ran at the capture only)."""
+        view = self.graphs.view(run_id, children)
+        local = self._local_runs.get(run_id)
+        if local is None or local[0] is not view:  # walked again: its modules changed
+            local = self._local_runs[run_id] = (view, all(id(m) in self.local_module_ids for m in view.subs))
+        return local[1] and not view.hooked_or_checkpointed()
 
     def _send_in_turn(self, dst: int, msg: Message) -> List[torch.Tensor]:
         """Sends a message whose order the peer sees (it serves each kind in arrival order): the

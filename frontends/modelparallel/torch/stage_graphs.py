@@ -59,6 +59,9 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from . import cuda_streams
+from .run_view import RunView
+
 WARMUP_CALLS = 2  # eager runs of a shape before its first capture
 SHAPES_PER_RUN = 2  # graphed shapes of one run (a short last batch is one more); others run eagerly
 
@@ -296,10 +299,11 @@ class _GraphedRun(torch.autograd.Function):
         # The backward graphs share one pool, so their replays and the reads of their outputs
         # must follow each other on one stream: the default stream, where the compute threads
         # run (a forward run under another stream would bring its backward there).
-        caller, shared = torch.cuda.current_stream(), torch.cuda.default_stream(grad_out.device)
+        device = grad_out.get_device()
+        caller, shared = cuda_streams.current(device), torch.cuda.default_stream(device)
         if caller != shared:
             shared.wait_stream(caller)
-        with inst.accumulator.lock, torch.cuda.stream(shared):
+        with inst.accumulator.lock, cuda_streams.running_on(shared) if caller != shared else nullcontext():
             inst.accumulator.begin(inst)
             inst.static_grad_out.copy_(grad_out)
             inst.bwd.replay()
@@ -328,6 +332,7 @@ class StageGraphs:
         self._lock = threading.Lock()
         self._entries: Dict[tuple, _Entry] = {}
         self._refused: Dict[tuple, str] = {}  # run -> why it cannot be graphed
+        self._views: Dict[tuple, RunView] = {}  # run -> its modules, as the checks read them
         self._stream: Optional[torch.cuda.Stream] = None
         self._backward_pool = None  # every backward graph's temporaries (see the module's doc)
         self._grad_buffers = _GradBuffers()
@@ -438,23 +443,19 @@ class StageGraphs:
     def _fingerprint(modules) -> tuple:
         """What a capture took as fixed besides the input's shape: every submodule's mode
         (a BatchNorm put in eval), which parameters need a gradient, and which tensors the
-        parameters and buffers are (replaced ones, even on the same memory, start over).
-        Taken at every graphed call, so it reads the modules' own dicts: Module.modules() and
-        parameters(recurse=False) cost 420 us a call for 8 encoder layers on this project's
-        VM, this about a fifth of that. (A module shared by two parents is visited twice,
-        the same way at every call.)"""
-        subs, stack = [], list(reversed(modules))
-        while stack:
-            m = stack.pop()
-            subs.append(m)
-            stack.extend(reversed([c for c in m._modules.values() if c is not None]))
-        params = [p for sub in subs for p in sub._parameters.values() if p is not None]
-        return (tuple(sub.training for sub in subs),
-                tuple((id(p), p.data_ptr(), p.requires_grad) for p in params),
-                tuple(b.data_ptr() for sub in subs for b in sub._buffers.values() if b is not None))
+        parameters and buffers are (replaced ones, even on the same memory, start over)."""
+        return RunView(modules).fingerprint()
+
+    def view(self, run_id: tuple, modules: Sequence[nn.Module]) -> RunView:
+        """The run's module view (run_view.py), walked again when its module tree changed.
+        Called by the compute token's holder only."""
+        view = self._views.get(run_id)
+        if view is None or view.modules != modules or not view.current():
+            view = self._views[run_id] = RunView(modules)
+        return view
 
     def _lease(self, key, modules, x) -> Optional[_Instance]:
-        fingerprint = self._fingerprint(modules)
+        fingerprint = self.view(key[0], modules).fingerprint()
         with self._lock:
             entry = self._entries.setdefault(key, _Entry())
             if entry.fingerprint != fingerprint:

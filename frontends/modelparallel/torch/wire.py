@@ -28,6 +28,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from . import cuda_streams
+
 TAG_HEADER = 7101
 TAG_META = 7102
 TAG_PAYLOAD = 7103
@@ -162,7 +164,7 @@ class Links:
         if self._device.type != "cuda":
             return None
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self._device))
+        event.record(cuda_streams.current(self._device.index))
         return event
 
     def reserve(self, dst: int, kind: str) -> int:
@@ -231,7 +233,7 @@ class Links:
             launched = []
             # The flush below makes NCCL wait for the current stream: the link's send stream,
             # when the message says where its tensors were made.
-            with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            with cuda_streams.running_on(stream) if stream is not None else nullcontext():
                 if stream is not None:
                     stream.wait_event(made_at)
                 for t in tensors:
@@ -281,7 +283,7 @@ class Links:
         for s in specs:
             if s.on_cuda:
                 stream = self._recv_streams[src]
-                with torch.cuda.stream(stream):
+                with cuda_streams.running_on(stream):
                     t = torch.empty(s.shape, dtype=s.dtype, device=self._device)
                     group, rank_there = self._cuda_group(src, self._me, peer)
                     group.recv([_as_sendable(t)], rank_there, 0).wait()
@@ -316,8 +318,8 @@ def take(tensors: List[torch.Tensor], ready) -> None:
     """Makes received CUDA tensors safe to use on the calling thread's current stream."""
     if ready is None:
         return
-    stream = torch.cuda.current_stream()
+    cuda = [t for t in tensors if t.is_cuda]  # (ready: some are)
+    stream = cuda_streams.current(cuda[0].get_device())
     stream.wait_event(ready)
-    for t in tensors:
-        if t.is_cuda:
-            t.record_stream(stream)
+    for t in cuda:
+        t.record_stream(stream)

@@ -85,6 +85,10 @@ p.add_argument("--no-eager", action="store_true", help="with --graphs: time the 
 p.add_argument("--active", default="", help="also time smp interleaved with these active_microbatches")
 p.add_argument("--memory", action="store_true", help="CPU: sample each step's peak resident memory (see above)")
 p.add_argument("--switch-interval", type=float, default=None, help="sys.setswitchinterval (seconds)")
+p.add_argument("--gc", choices=["on", "freeze", "off"], default="on",
+               help="Python's garbage collector during the timed steps: as usual, with every object "
+                    "that exists after the warm-up frozen out of its collections (gc.freeze), or "
+                    "disabled (whether its pauses show in the step times)")
 p.add_argument("--host-delay", default="",
                help="RANK:US[,RANK:US]: smp only, pipeline rank RANK's step function spins US microseconds "
                     "of Python (holding the GIL) after each microbatch's loss. Which rank's host bounds "
@@ -184,6 +188,12 @@ def timed(step, rank_sync):
         if i == args.warmup:
             sync()
             end_warmup_peaks()
+            if args.gc != "on":
+                gc.collect()
+            if args.gc == "freeze":
+                gc.freeze()
+            elif args.gc == "off":
+                gc.disable()
             rank_sync()
             t0, c0 = time.perf_counter(), time.process_time()
             returns = [t0]
@@ -191,6 +201,8 @@ def timed(step, rank_sync):
         if i >= args.warmup:
             returns.append(time.perf_counter())
     sync()
+    gc.unfreeze()
+    gc.enable()
     last_cpu_ms[0] = (time.process_time() - c0) / args.steps * 1e3
     gaps = sorted(b - a for a, b in zip(returns, returns[1:]))
     last_spread[0] = [round(gaps[0] * 1e3, 1), round(gaps[len(gaps) // 2] * 1e3, 1), round(gaps[-1] * 1e3, 1)]

@@ -238,10 +238,13 @@ GPU_LAYOUTS = [pytest.param(2, 2, id="pp2"),
 @needs_two_gpus
 @pytest.mark.parametrize("procs, parts", GPU_LAYOUTS)
 @pytest.mark.parametrize("model, mode, pipeline", [("skip", "manual", "interleaved"), ("seq", "auto", "simple"),
-                                                   ("skip", "auto", "simple"), ("seqparts", "manual", "interleaved")])
+                                                   ("skip", "auto", "simple"), ("seqparts", "manual", "interleaved"),
+                                                   ("seqfrozen", "manual", "interleaved")])
 def test_cuda_modelparallel_pipeline_trains_like_one_gpu(procs, parts, model, mode, pipeline):
     """Activations and gradients cross through NCCL; with dp=2 the replicas' gradients too.
-    The model is moved to the GPU before it is wrapped: the other stages' parameters leave it."""
+    The model is moved to the GPU before it is wrapped: the other stages' parameters leave it.
+    "seqfrozen" (the first stage frozen): the last stage's merged answer carries the output's
+    copy, received on CUDA, and no gradient."""
     results = run_world(procs, "smp_pipeline.py", [model, mode, pipeline, str(parts), "4", "5"], gpus=True,
                         timeout=300, env={"SMP_TEST_MOVED_BEFORE_WRAP": "1"})
     assert_all_ok(results)

@@ -26,7 +26,7 @@ from smdistributed.modelparallel.torch.stage_graphs import StageGraphs, _StepAcc
 from smdistributed.modelparallel.torch.step import StepOutput, split_arguments  # noqa: E402
 from smdistributed.modelparallel.torch.topology import Topology  # noqa: E402
 from smdistributed.modelparallel.torch.trace import Tracer  # noqa: E402
-from smdistributed.modelparallel.torch.wire import Links  # noqa: E402
+from smdistributed.modelparallel.torch.wire import Links, take  # noqa: E402
 from smdistributed.modelparallel.torch.workers import WorkerPool  # noqa: E402
 from world import assert_all_ok, free_port, run_world  # noqa: E402
 
@@ -509,8 +509,48 @@ def test_a_graphed_runs_kept_view_sees_every_change_the_full_walk_sees():
     assert agrees()[1]
     handle.remove()
     assert not agrees()[1]
+    # Dicts replaced wholesale are read as they are now: hooks swapped out and back, a new
+    # parameter dict, a Sequential whose children dict was rebuilt.
+    handle = run[1].register_forward_pre_hook(lambda *a: None)
+    hooks, run[1]._forward_pre_hooks = run[1]._forward_pre_hooks, type(run[1]._forward_pre_hooks)()
+    assert not agrees()[1]
+    run[1]._forward_pre_hooks = hooks
+    assert agrees()[1]
+    handle.remove()
+    before = agrees()[0]
+    run[1]._parameters = {"weight": nn.Parameter(torch.ones(2, 4))}
+    assert agrees()[0] != before
+    before = agrees()[0]
+    del inner[1:1]  # rebuilds the children dict, unchanged
+    assert agrees()[0] == before
+    inner.append(nn.Linear(4, 4))
+    assert agrees()[0] != before
+
+    class Alike(nn.Linear):  # equal to any other Alike: children compare by identity
+        def __eq__(self, other):
+            return isinstance(other, Alike)
+        __hash__ = nn.Module.__hash__
+    inner[0] = Alike(4, 4)
+    before = agrees()[0]
+    inner[0] = Alike(4, 4)
+    assert agrees()[0] != before
     smp.set_activation_checkpointing(inner[1])
     assert agrees()[1]
+
+
+def test_taking_a_received_message_with_no_cuda_tensors_touches_no_stream():
+    """A merged answer (the root's copy of the output and the input gradients, one message) is
+    delivered in two halves that share its CUDA receive event; the gradients' half carries no
+    tensor when the last stage's input needs no gradient (a frozen first stage). Taking it
+    must not ask for a stream (it raised IndexError)."""
+    class Event:
+        waited = False
+
+        def wait(self, stream=None):
+            Event.waited = True
+    take([], Event())
+    take([torch.zeros(2)], Event())
+    assert not Event.waited
 
 
 class _Replayed:
@@ -802,26 +842,28 @@ def test_last_stage_gradients_can_reach_the_root_before_its_answer(pipeline):
     assert reports[0]["gradients_before_answer"] == 0, reports[0]
 
 
-@pytest.mark.parametrize("procs, parts, pipeline, env, merged", [
-    (2, 2, "interleaved", {}, {1: 12}),
-    (4, 2, "interleaved", {}, {1: 12}),
-    (3, 3, "interleaved", {"SMDDP_SMP_CHAIN_CALLS": "0"}, {2: 12}),
-    (3, 3, "interleaved", {}, {}),
-    (2, 2, "simple", {}, {}),
-    (2, 2, "interleaved", {"SMDDP_SMP_HOLD_ANSWER_MS": "0"}, {}),
-    (2, 2, "interleaved", {"SMDDP_SMP_HOLD_ANSWER_MS": "2"}, None),
-], ids=["pp2", "pp2xdp2", "pp3-unchained", "pp3-chained", "simple", "knob-off", "short-hold"])
-def test_the_last_stage_sends_its_answer_with_the_input_gradients(procs, parts, pipeline, env, merged):
+@pytest.mark.parametrize("procs, parts, pipeline, env, merged, model", [
+    (2, 2, "interleaved", {}, {1: 12}, "seqparts"),
+    (4, 2, "interleaved", {}, {1: 12}, "seqparts"),
+    (3, 3, "interleaved", {"SMDDP_SMP_CHAIN_CALLS": "0"}, {2: 12}, "seqparts"),
+    (3, 3, "interleaved", {}, {}, "seqparts"),
+    (2, 2, "simple", {}, {}, "seqparts"),
+    (2, 2, "interleaved", {"SMDDP_SMP_HOLD_ANSWER_MS": "0"}, {}, "seqparts"),
+    (2, 2, "interleaved", {"SMDDP_SMP_HOLD_ANSWER_MS": "2"}, None, "seqparts"),
+    (2, 2, "interleaved", {}, {1: 12}, "seqfrozen"),
+], ids=["pp2", "pp2xdp2", "pp3-unchained", "pp3-chained", "simple", "knob-off", "short-hold", "frozen-first-stage"])
+def test_the_last_stage_sends_its_answer_with_the_input_gradients(procs, parts, pipeline, env, merged, model):
     """Under "interleaved" the last stage holds each answer to the root (the root's copy of the
     model output) until its backward and sends it in the input gradients' message: one
     message a microbatch instead of two (held_answers.py); 3 steps x 4 microbatches here. The
     hold is 10 s, so an answer that missed its backward would show as a late one (or a step
     10 s long). Nothing is held under "simple", by a chain's last hop (its gradients go to the
     previous hop, not the root), or with the knob at 0. With a 2 ms hold the flusher and the
-    backward race for each answer: every answer leaves once, one way or the other. Training
+    backward race for each answer: every answer leaves once, one way or the other. With the
+    first stage frozen, the merged message carries the answer and no gradient. Training
     equals one process in every case."""
     env = {"SMDDP_SMP_HOLD_ANSWER_MS": "10000", **env}
-    results = run_world(procs, "smp_pipeline.py", ["seqparts", "manual", pipeline, str(parts), "4", "3"], env=env,
+    results = run_world(procs, "smp_pipeline.py", [model, "manual", pipeline, str(parts), "4", "3"], env=env,
                         timeout=120)
     assert_all_ok(results)
     for r in (r.event("trained") for r in results):

@@ -1,7 +1,7 @@
 """Pipeline training equivalence: N steps through smp on this world against one process
 training the same model on the same batches. Prints one JSON line per rank.
 
-argv: model (seq | seqparts | skip | tied | gpt | enc | resid), mode (auto | manual), pipeline
+argv: model (seq | seqparts | seqfrozen | skip | tied | gpt | enc | resid), mode (auto | manual), pipeline
 (simple | interleaved), partitions, microbatches, steps.
 """
 import contextlib
@@ -224,11 +224,15 @@ def build():
         return MiniGpt()
     if MODEL == "seq":  # manual: no smp.partition context, so all of it on the default partition
         return nn.Sequential(*seq_layers())
-    if MODEL == "seqparts":  # the same layers split by hand, an even run of them in each smp.partition
+    if MODEL in ("seqparts", "seqfrozen"):  # the same layers split by hand, an even run in each smp.partition
         layers = []
         for p in range(PARTS):
             with smp.partition(p):
-                layers += seq_layers(p, PARTS)
+                part = seq_layers(p, PARTS)
+            if MODEL == "seqfrozen" and p == 0:  # fine-tuning's frozen lower layers: the next
+                for layer in part:  # stage's input needs no gradient, so it returns none
+                    layer.requires_grad_(False)
+            layers += part
         return nn.Sequential(*layers)
     return SkipNet(PARTS)
 

@@ -21,8 +21,10 @@ def current(index: int) -> torch.cuda.Stream:
 
 @contextmanager
 def running_on(stream: torch.cuda.Stream):
-    """Makes `stream` the current stream of its device (the thread's current device) until the
-    block ends, as `torch.cuda.stream(stream)` does for a stream on the current device."""
+    """Makes `stream` the current stream of its device until the block ends, as
+    `torch.cuda.stream(stream)` does, for a stream on the thread's current device only:
+    `torch.cuda.set_stream` also makes the stream's device current, and this does not switch
+    it back (every caller's stream is on the rank's one device, its threads' current one)."""
     before = torch.cuda.current_stream(stream.device_index)
     torch.cuda.set_stream(stream)
     try:

@@ -350,7 +350,7 @@ class DistributedModel(nn.Module):
         runtime.root_owner = assignment[""]
         runtime.window = self._stage_window(assignment, me, topo.pp_size, runtime.output_backward)
         runtime.window_by_depth = not self._rank_ordered(assignment, topo.pp_size)
-        runtime.local_module_ids = {id(m) for path, m in self.module.named_modules() if assignment[path] == me}
+        runtime.remote_module_ids = {id(m) for path, m in self.module.named_modules() if assignment[path] != me}
         for path, m in self.module.named_modules():
             runtime.modules[path] = m
             owner = assignment[path]

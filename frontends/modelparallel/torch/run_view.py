@@ -8,12 +8,12 @@ path at every graphed call. Walking the module tree for them in Python cost 0.2 
 call for 8 encoder layers on an H200 host (session 30), about a tenth of the last stage's host
 work a microbatch.
 
-A view walks the tree once and keeps each submodule's own dicts. At each call it rebuilds the
-list of every submodule's children from those dicts with map and chain (loops in C, no
-Python frame per module) and walks again only if that list changed: a submodule replaced,
-added or removed anywhere in the run. Parameters and buffers are read from the kept dicts the
-same way at every call, so a replaced parameter or buffer is seen as before. Nothing is cached
-across calls that a call does not check again, so the checks are as exact as the full walk.
+A view walks the tree once and keeps its submodules and their instance dicts. At each call it
+reads every submodule's children, parameters, buffers and hook dicts afresh through those
+instance dicts, with map and chain (loops in C, no Python frame per module), and walks again
+only if the children changed (compared by identity): a submodule replaced, added or removed
+anywhere in the run. A dict replaced wholesale (`m._parameters = {...}`, hooks swapped out and
+back) is read as it is now. So the checks are as exact as the full walk.
 """
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ _training = operator.attrgetter("training")
 _requires_grad = operator.attrgetter("requires_grad")
 _data_ptr = torch.Tensor.data_ptr
 _checkpoint_mark = operator.methodcaller("get", "_smp_checkpoint")  # activation_checkpointing.py
+_children = operator.itemgetter("_modules")
+_params = operator.itemgetter("_parameters")
+_buffers = operator.itemgetter("_buffers")
+_hooks = operator.itemgetter("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 
 
 def _walk(modules: Sequence[nn.Module]) -> List[nn.Module]:
@@ -49,32 +53,29 @@ class RunView:
 
     def __init__(self, modules: Sequence[nn.Module]):
         self.modules = list(modules)
+        self.module_ids = tuple(map(id, self.modules))
         self.subs = _walk(self.modules)
-        self._children = [m._modules for m in self.subs]
-        self._params = [m._parameters for m in self.subs]
-        self._buffers = [m._buffers for m in self.subs]
-        self._hooks = [d for m in self.subs
-                       for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)]
-        self._own = [m.__dict__ for m in self.subs]
+        self._own = [m.__dict__ for m in self.subs]  # each submodule's instance dict
         self._kids = self._all_children()
 
     def _all_children(self) -> tuple:
-        return tuple(_chain(map(dict.values, self._children)))
+        return tuple(map(id, _chain(map(dict.values, map(_children, self._own)))))
 
-    def current(self) -> bool:
-        """Whether the run's module tree is still the one walked (compares every submodule's
-        children, by identity)."""
-        return self._all_children() == self._kids
+    def current(self, modules: Sequence[nn.Module]) -> bool:
+        """Whether `modules` and the tree below them are still the ones walked (every
+        submodule's children, by identity)."""
+        return tuple(map(id, modules)) == self.module_ids and self._all_children() == self._kids
 
     def fingerprint(self) -> tuple:
         """Every submodule's mode; each parameter's identity, tensor and requires_grad; each
         buffer's tensor (a view that is current)."""
-        params = list(filter(_present, _chain(map(dict.values, self._params))))
-        buffers = filter(_present, _chain(map(dict.values, self._buffers)))
+        params = list(filter(_present, _chain(map(dict.values, map(_params, self._own)))))
+        buffers = filter(_present, _chain(map(dict.values, map(_buffers, self._own))))
         return (tuple(map(_training, self.subs)), tuple(map(id, params)), tuple(map(_data_ptr, params)),
                 tuple(map(_requires_grad, params)), tuple(map(_data_ptr, buffers)))
 
     def hooked_or_checkpointed(self) -> bool:
         """Whether a submodule has a forward or backward hook, or is marked for activation
         checkpointing (a view that is current)."""
-        return any(self._hooks) or any(map(_checkpoint_mark, self._own))
+        return (any(_chain(map(_hooks, self._own)))
+                or next(filter(_present, map(_checkpoint_mark, self._own)), None) is not None)

@@ -173,13 +173,13 @@ class PipelineRuntime:
         self.graphs = StageGraphs(config.value("SMDDP_SMP_CUDA_GRAPHS") == "1" and device.type == "cuda")
         self._frees_blas_workspaces = (device.type == "cuda"
                                        and config.value("SMDDP_SMP_FREE_BLAS_WORKSPACES") == "1")
-        self.local_module_ids: set = set()  # id() of every module this rank owns (set by the model)
+        self.remote_module_ids: set = set()  # id() of every module other ranks own (set by the model)
         # Microbatches this stage may hold at once under "interleaved", set by the model when the
         # root is a chain of stages in rank order (see _enter_window); None: each call's depth
         # bounds it (_depth_window).
         self.window: Optional[int] = None
         self.window_by_depth = False  # set by the model for layouts other than that chain
-        self._local_runs: Dict[tuple, tuple] = {}  # run -> (its module view, whether all of it is local)
+        self._local_runs: Dict[tuple, tuple] = {}  # run -> (its module view, whether none of it is remote)
         self.stall = StallReport(float(config.value("SMDDP_STALL_WARNING")))
         self.stall.header = lambda: (f"pipeline rank {self.pp_rank} (global rank {self.global_ranks[self.pp_rank]}), "
                                      f"step {self._step}")
@@ -735,7 +735,8 @@ class PipelineRuntime:
         view = self.graphs.view(run_id, children)
         local = self._local_runs.get(run_id)
         if local is None or local[0] is not view:  # walked again: its modules changed
-            local = self._local_runs[run_id] = (view, all(id(m) in self.local_module_ids for m in view.subs))
+            # (A module added since the partition, a LoRA adapter say, runs where its parent does.)
+            local = self._local_runs[run_id] = (view, not any(id(m) in self.remote_module_ids for m in view.subs))
         return local[1] and not view.hooked_or_checkpointed()
 
     def _send_in_turn(self, dst: int, msg: Message) -> List[torch.Tensor]:

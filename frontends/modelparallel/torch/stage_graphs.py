@@ -385,6 +385,7 @@ class StageGraphs:
         with self._lock:
             self._entries.clear()
             self._refused.clear()
+            self._views.clear()
             self._backward_pool = None
             self._grad_buffers.clear()
 
@@ -450,7 +451,7 @@ class StageGraphs:
         """The run's module view (run_view.py), walked again when its module tree changed.
         Called by the compute token's holder only."""
         view = self._views.get(run_id)
-        if view is None or view.modules != modules or not view.current():
+        if view is None or not view.current(modules):
             view = self._views[run_id] = RunView(modules)
         return view
 

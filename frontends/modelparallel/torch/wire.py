@@ -318,7 +318,9 @@ def take(tensors: List[torch.Tensor], ready) -> None:
     """Makes received CUDA tensors safe to use on the calling thread's current stream."""
     if ready is None:
         return
-    cuda = [t for t in tensors if t.is_cuda]  # (ready: some are)
+    cuda = [t for t in tensors if t.is_cuda]
+    if not cuda:  # the gradients' half of a merged answer can carry none (a frozen first stage, say)
+        return
     stream = cuda_streams.current(cuda[0].get_device())
     stream.wait_event(ready)
     for t in cuda:

@@ -66,10 +66,14 @@ def measure(name, step, rank, barrier):
         for _ in range(2):
             step()
         torch.cuda.synchronize()
-    kernels = sum(e.self_device_time_total for e in prof.key_averages()
-                  if e.device_type == torch.autograd.DeviceType.CUDA) / 2 / 1e3
+    on_gpu = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = sum(e.self_device_time_total for e in on_gpu) / 2 / 1e3
+    # Without NCCL's kernels, which stay resident while they wait for the peer: the stage's
+    # own GPU work, the bound of its cycle.
+    compute = sum(e.self_device_time_total for e in on_gpu if "nccl" not in e.key.lower()) / 2 / 1e3
     print(f"[rank {rank}] {name}: wall {wall * 1e3:.1f} ms/step, host issue {issue * 1e3:.1f} ms, "
-          f"GPU between steps {' '.join(f'{g:.1f}' for g in gpu)} ms, kernels {kernels:.1f} ms/step", flush=True)
+          f"GPU between steps {' '.join(f'{g:.1f}' for g in gpu)} ms, kernels {kernels:.1f} ms/step "
+          f"({compute:.1f} without NCCL's, {compute / args.micro:.2f} a microbatch)", flush=True)
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
         raw = os.path.join(args.trace_dir, f"{name}.rank{rank}.json")

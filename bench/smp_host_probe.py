@@ -31,6 +31,7 @@ import smdistributed.modelparallel.torch.runtime as rt
 import smdistributed.modelparallel.torch.scheduler as scheduler
 import smdistributed.modelparallel.torch.stage_graphs as sg
 import smdistributed.modelparallel.torch.wire as wire
+from timed_window import on_timed_steps
 
 stats = collections.defaultdict(lambda: [0, 0.0, 0.0])  # name -> calls, wall s, thread CPU s
 counting = [False]
@@ -109,18 +110,14 @@ def install():
             wrap(cc.CudaWork, attr)
     except ImportError:
         pass
-    resets = [0]
-    reset = torch.cuda.reset_peak_memory_stats
 
-    def counted_reset(*args, **kwargs):
-        resets[0] += 1
-        if resets[0] == 2:  # the first configuration's warm-up is over
-            stats.clear()
-            counting[0] = True
-        elif resets[0] > 2:
-            counting[0] = False
-        return reset(*args, **kwargs)
-    torch.cuda.reset_peak_memory_stats = counted_reset
+    def start():
+        stats.clear()
+        counting[0] = True
+
+    def stop():
+        counting[0] = False
+    on_timed_steps(start, stop)
     wire.encode = timer(wire.encode, "wire.encode")
     rt.encode = wire.encode  # the runtime imported it by name
     wire.take = timer(wire.take, "wire.take")

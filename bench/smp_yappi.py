@@ -16,8 +16,9 @@ import os
 import runpy
 import sys
 
-import torch
 import yappi
+
+from timed_window import on_timed_steps
 
 TOP = 45
 
@@ -27,19 +28,10 @@ def install(all_steps: bool) -> None:
     if all_steps:
         yappi.start(builtins=True)
         return
-    resets = [0]
-    reset = torch.cuda.reset_peak_memory_stats
-
-    def counted_reset(*args, **kwargs):
-        resets[0] += 1
-        if resets[0] == 2:  # the first configuration's warm-up is over
-            yappi.clear_stats()
-            yappi.start(builtins=True)
-        elif resets[0] == 3:
-            yappi.stop()
-        return reset(*args, **kwargs)
-    torch.cuda.reset_peak_memory_stats = counted_reset
-
+    def start():
+        yappi.clear_stats()
+        yappi.start(builtins=True)
+    on_timed_steps(start, yappi.stop)
 
 def report(per: int) -> None:
     yappi.stop()

@@ -301,14 +301,15 @@ class _GraphedRun(torch.autograd.Function):
         # run (a forward run under another stream would bring its backward there).
         device = grad_out.get_device()
         caller, shared = cuda_streams.current(device), torch.cuda.default_stream(device)
-        if caller != shared:
+        elsewhere = caller != shared
+        if elsewhere:
             shared.wait_stream(caller)
-        with inst.accumulator.lock, cuda_streams.running_on(shared) if caller != shared else nullcontext():
+        with inst.accumulator.lock, cuda_streams.running_on(shared) if elsewhere else nullcontext():
             inst.accumulator.begin(inst)
             inst.static_grad_out.copy_(grad_out)
             inst.bwd.replay()
             grad_in = inst.static_grad_in.clone() if inst.static_grad_in is not None else None
-        if caller != shared:
+        if elsewhere:
             caller.wait_stream(shared)
             if grad_in is not None:  # made on the default stream, used on the caller's
                 grad_in.record_stream(caller)

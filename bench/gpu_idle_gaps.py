@@ -7,6 +7,11 @@ For every gap of at least --min-ms between consecutive GPU kernels (or memcpys),
 length, the host operation that launched the kernel ending the gap (and its thread), and the
 host operations that were running on any thread during the gap, longest first. The sum of
 the gaps is the time the GPU spent idle inside the traced steps.
+
+First it prints the idle time by the size of the gap: up to 20 us is a kernel following
+another already queued (inside a CUDA graph's replay, about 1-2 us a kernel), 20-150 us a
+chain of kernels issued one by one while the GPU waits for the host to launch each, longer a
+wait (for the host to reach the next piece of work, or for a peer's data).
 """
 from __future__ import annotations
 
@@ -43,6 +48,14 @@ def main():
         start, end = a["ts"] + a["dur"], b["ts"]
         if end - start >= args.min_ms * 1e3:
             gaps.append((end - start, start, end, b))
+    busy = sum(e["dur"] for e in gpu)
+    sizes = collections.Counter()
+    for a, b in zip(gpu, gpu[1:]):
+        idle = b["ts"] - max(a["ts"] + a["dur"], 0)
+        if idle > 0:
+            sizes["<= 20 us" if idle <= 20 else "20-150 us" if idle <= 150 else "> 150 us"] += idle
+    print(f"kernel time {busy / 1e3:.1f} ms; idle between kernels: "
+          + ", ".join(f"{k} {sizes[k] / 1e3:.1f} ms" for k in ("<= 20 us", "20-150 us", "> 150 us")))
     total = sum(g[0] for g in gaps)
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
     print(f"GPU span {span / 1e3:.1f} ms, kernels {len(gpu)}, idle in gaps >= {args.min_ms} ms: "

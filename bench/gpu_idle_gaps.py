@@ -50,8 +50,10 @@ def main():
             gaps.append((end - start, start, end, b))
     busy = sum(e["dur"] for e in gpu)
     sizes = collections.Counter()
-    for a, b in zip(gpu, gpu[1:]):
-        idle = b["ts"] - max(a["ts"] + a["dur"], 0)
+    ended = gpu[0]["ts"]  # the latest end so far: kernels of other streams may overlap
+    for e in gpu:
+        idle = e["ts"] - ended
+        ended = max(ended, e["ts"] + e["dur"])
         if idle > 0:
             sizes["<= 20 us" if idle <= 20 else "20-150 us" if idle <= 150 else "> 150 us"] += idle
     print(f"kernel time {busy / 1e3:.1f} ms; idle between kernels: "

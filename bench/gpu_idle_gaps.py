@@ -43,21 +43,20 @@ def main():
         gpu = [e for e in gpu if "nccl" not in e["name"].lower()]
     host = [e for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation", "cuda_runtime")]
     launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"}
-    gaps = []
-    for a, b in zip(gpu, gpu[1:]):
-        start, end = a["ts"] + a["dur"], b["ts"]
-        if end - start >= args.min_ms * 1e3:
-            gaps.append((end - start, start, end, b))
-    busy = sum(e["dur"] for e in gpu)
-    sizes = collections.Counter()
-    ended = gpu[0]["ts"]  # the latest end so far: kernels of other streams may overlap
+    # Every idle stretch, measured from the latest end so far (kernels of several streams may
+    # overlap): its length, start, end and the kernel that ends it.
+    idle = []
+    ended = gpu[0]["ts"]
     for e in gpu:
-        idle = e["ts"] - ended
+        if e["ts"] > ended:
+            idle.append((e["ts"] - ended, ended, e["ts"], e))
         ended = max(ended, e["ts"] + e["dur"])
-        if idle > 0:
-            sizes["<= 20 us" if idle <= 20 else "20-150 us" if idle <= 150 else "> 150 us"] += idle
-    print(f"kernel time {busy / 1e3:.1f} ms; idle between kernels: "
+    sizes = collections.Counter()
+    for dur, *_ in idle:
+        sizes["<= 20 us" if dur <= 20 else "20-150 us" if dur <= 150 else "> 150 us"] += dur
+    print(f"kernel time {sum(e['dur'] for e in gpu) / 1e3:.1f} ms; idle between kernels: "
           + ", ".join(f"{k} {sizes[k] / 1e3:.1f} ms" for k in ("<= 20 us", "20-150 us", "> 150 us")))
+    gaps = [g for g in idle if g[0] >= args.min_ms * 1e3]
     total = sum(g[0] for g in gaps)
     span = gpu[-1]["ts"] + gpu[-1]["dur"] - gpu[0]["ts"]
     print(f"GPU span {span / 1e3:.1f} ms, kernels {len(gpu)}, idle in gaps >= {args.min_ms} ms: "

@@ -28,10 +28,12 @@ def install(all_steps: bool) -> None:
     if all_steps:
         yappi.start(builtins=True)
         return
+
     def start():
         yappi.clear_stats()
         yappi.start(builtins=True)
     on_timed_steps(start, yappi.stop)
+
 
 def report(per: int) -> None:
     yappi.stop()

@@ -91,6 +91,12 @@ const std::vector<ConfigVar>& config_table() {
        "step function calls the model again or ends without model.backward, and after this many "
        "ms otherwise (a step function that waits on the root between its model call and "
        "model.backward, in a collective say, then pays this per microbatch). 0: sent at once"},
+      {"SMDDP_SMP_INLINE_OUTPUT", "1",
+       "smp pipelines, \"interleaved\", with held answers (SMDDP_SMP_HOLD_ANSWER_MS > 0): 1: the "
+       "last stage's step function serves the root's call that makes its own copy of the model "
+       "output and goes straight on to the loss, instead of a serve runner computing the output "
+       "and waking it (a thread hand-off a microbatch between the stage's forward and backward). "
+       "Calls still start in arrival order. 0: a serve runner serves it"},
       {"SMDDP_SMP_CHAIN_CALLS", "1",
        "smp pipelines: 1: consecutive runs of an nn.Sequential's children on other partitions are "
        "one chained call: each stage sends its output straight to the next and, in the backward, "

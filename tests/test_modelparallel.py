@@ -851,7 +851,9 @@ def test_last_stage_gradients_can_reach_the_root_before_its_answer(pipeline):
     (2, 2, "interleaved", {"SMDDP_SMP_HOLD_ANSWER_MS": "0"}, {}, "seqparts"),
     (2, 2, "interleaved", {"SMDDP_SMP_HOLD_ANSWER_MS": "2"}, None, "seqparts"),
     (2, 2, "interleaved", {}, {1: 12}, "seqfrozen"),
-], ids=["pp2", "pp2xdp2", "pp3-unchained", "pp3-chained", "simple", "knob-off", "short-hold", "frozen-first-stage"])
+    (2, 2, "interleaved", {"SMDDP_SMP_INLINE_OUTPUT": "0"}, {1: 12}, "seqparts"),
+], ids=["pp2", "pp2xdp2", "pp3-unchained", "pp3-chained", "simple", "knob-off", "short-hold", "frozen-first-stage",
+        "served-by-a-runner"])
 def test_the_last_stage_sends_its_answer_with_the_input_gradients(procs, parts, pipeline, env, merged, model):
     """Under "interleaved" the last stage holds each answer to the root (the root's copy of the
     model output) until its backward and sends it in the input gradients' message: one
@@ -860,8 +862,10 @@ def test_the_last_stage_sends_its_answer_with_the_input_gradients(procs, parts, 
     10 s long). Nothing is held under "simple", by a chain's last hop (its gradients go to the
     previous hop, not the root), or with the knob at 0. With a 2 ms hold the flusher and the
     backward race for each answer: every answer leaves once, one way or the other. With the
-    first stage frozen, the merged message carries the answer and no gradient. Training
-    equals one process in every case."""
+    first stage frozen, the merged message carries the answer and no gradient. Wherever
+    answers are held, the last stage's step function serves the call that makes its own
+    output (SMDDP_SMP_INLINE_OUTPUT; a serve runner with the knob at 0). Training equals one
+    process in every case."""
     env = {"SMDDP_SMP_HOLD_ANSWER_MS": "10000", **env}
     results = run_world(procs, "smp_pipeline.py", [model, "manual", pipeline, str(parts), "4", "3"], env=env,
                         timeout=120)
@@ -873,6 +877,9 @@ def test_the_last_stage_sends_its_answer_with_the_input_gradients(procs, parts, 
         else:
             assert r["late_answers"] == 0, r
             assert r["merged_answers"] == merged.get(r["pp_rank"], 0), r
+        holds = merged is None or bool(merged)
+        inline = 12 if holds and r["pp_rank"] == parts - 1 and env.get("SMDDP_SMP_INLINE_OUTPUT") != "0" else 0
+        assert r["inline_output_serves"] == inline, r
 
 
 @pytest.mark.parametrize("case, env", [

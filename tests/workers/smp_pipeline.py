@@ -385,7 +385,7 @@ def main():
            graph_layout=model._runtime.graphs.layout(), others_on=others_on, link_ctas=link_ctas(),
            gradients_before_answer=gradients_before_answer(sent_order),
            merged_answers=model._runtime.held_answers.merged, late_answers=model._runtime.held_answers.late,
-           eval_step_s=eval_step_s)
+           inline_output_serves=model._runtime.inline_output_serves, eval_step_s=eval_step_s)
 
 
 _root_passes = {}  # waits so far on this rank, per store key (wait_on_root)

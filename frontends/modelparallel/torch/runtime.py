@@ -39,7 +39,7 @@ from . import cuda_streams
 from .blas_workspaces import free_blas_workspaces
 from .held_answers import HeldAnswer, HeldAnswers
 from .stall_report import StallReport
-from .scheduler import BACKWARD, FORWARD, ComputeToken, Waiter, priority
+from .scheduler import BACKWARD, FORWARD, ArrivalOrder, ComputeToken, Waiter, priority
 from .stage_graphs import StageGraphs
 from .wire import Links, Message, QuietLink, decode, encode, take
 from .timeline import Timeline
@@ -107,6 +107,15 @@ class ServedFrame:
     windowed: bool = False  # counted in the stage's window until its backward (_enter_window)
 
 
+@dataclass
+class OwnOutputCall:
+    """The root's call that makes the model output here, handed to the step function thread
+    that waits for that output, which serves it itself (PipelineRuntime._route_to_step_function).
+    `ticket`: its place in the order such calls arrived in (scheduler.ArrivalOrder)."""
+    call: tuple  # (src, msg, tensors, specs, ready), as a serve runner gets it
+    ticket: int
+
+
 _local = threading.local()
 
 
@@ -162,6 +171,10 @@ class PipelineRuntime:
         self.output_backward = config.value("SMDDP_SMP_OUTPUT_BACKWARD") != "0"
         self.chain_calls = config.value("SMDDP_SMP_CHAIN_CALLS") != "0"  # see call_remote
         self.chained_hops = 0  # forwards this rank passed straight to the next hop of a chain, ever
+        # The last stage's step function serves the call that makes its own model output,
+        # instead of a serve runner handing the output over (_route_to_step_function).
+        self.inline_output = config.value("SMDDP_SMP_INLINE_OUTPUT") != "0"
+        self.inline_output_serves = 0  # calls served that way, ever
         # The last stage's answers to the root wait for the input gradients, to leave in their
         # message (held_answers.py); 0: they leave at once.
         self.held_answers = HeldAnswers(float(config.value("SMDDP_SMP_HOLD_ANSWER_MS")) / 1e3, self._send_held_alone,
@@ -218,6 +231,8 @@ class PipelineRuntime:
         # mb -> (id of the served call that made its output, the call its caller waits on)
         self._output_frames: Dict[int, Tuple[CallId, Tuple[int, CallId]]] = {}
         self._finished = 0
+        self._ended_mbs: set = set()  # microbatches whose step function returned here (under _lock)
+        self._arrivals = ArrivalOrder()  # the order of the output calls step functions serve
         self._at_backward = 0
         self._serving_backward = 0
         self._grads_final_fired = False
@@ -358,6 +373,7 @@ class PipelineRuntime:
                         StepFailed(self._describe(f"the step function of microbatch {mb} raised", e)))
         finally:
             _local.task = None
+            self._strand_own_output(mb)
             self.graphs.release(task.leases)  # its backward on this rank is done
             # An answer still held (no model.backward here) leaves now: after this microbatch
             # ends, this rank's "end" could overtake it. (A failed step's stays; see drop_step.)
@@ -463,6 +479,8 @@ class PipelineRuntime:
             self.flush_held_answer()
         out = self._wait(("out", task.mb, k), f"the model output of microbatch {task.mb} from pipeline rank "
                                               f"{self.root_owner} (the root's)")
+        if isinstance(out, OwnOutputCall):
+            out = self._serve_own_output(task, out)
         if not k:
             self.held_answers.picked_up((self._step, task.mb))
         return out
@@ -771,14 +789,15 @@ class PipelineRuntime:
         serving = task is not None and task.kind == "serve"
         if serving:  # the calls queued behind this one may be what the peer needs first
             self._serve_runner_waits(task.queue)
+        body = None
         try:
             with self.stall.waiting("{}: {}", task or "a call", waiter.what):
                 body, tensors, specs, ready = waiter.wait(self.aborted)
         finally:
             if serving:
-                with self._lock:
-                    self._serve_runners[task.queue] += 1
-            self._token.acquire(self._prio(task), self._label(task))
+                self._serve_runner_back(task.queue)
+            if not isinstance(body, OwnOutputCall):  # (serving it takes the token itself)
+                self._token.acquire(self._prio(task), self._label(task))
         take(tensors, ready)
         return body, tensors, specs
 
@@ -803,7 +822,9 @@ class PipelineRuntime:
                     f"pipeline rank {src} sent pipeline rank {self.pp_rank} a '{msg.kind}' of step "
                     f"{msg.fields['id'][1]} after that step ended here")))
                 return
-            if msg.kind in ("fwd", "bwd"):
+            if msg.kind == "fwd" and self._route_to_step_function((src, msg, tensors, specs, ready)):
+                pass
+            elif msg.kind in ("fwd", "bwd"):
                 self._queue_serve(msg.kind, (src, msg, tensors, specs, ready))
             elif msg.kind == "drop":  # served as backwards are, after those queued before it
                 self._queue_serve("bwd", (src, msg, tensors, specs, ready))
@@ -832,6 +853,62 @@ class PipelineRuntime:
             if w is None:
                 w = self._waiters[key] = Waiter(str(key))
         w.set(value)
+
+    def _route_to_step_function(self, call) -> bool:
+        """Hands the root's call that makes this rank's copy of the model output (the root
+        Sequential's last children, whose owner starts the backward) to the step function
+        thread that will wait for that output; returns whether it did.
+
+        That thread then serves the call itself and goes on to the loss and model.backward.
+        Through a serve runner, the runner computed the output and woke the step function's
+        thread, and that wake-up (0.3-0.45 ms a microbatch on 2 x H200, m = 16, while the GPU
+        waited) sat on the last stage's critical path between its forward and backward.
+
+        Only under "interleaved" with held answers, when the call is not a chain's hop: the
+        answer then waits for the backward's message, so serving sends nothing before the
+        loss. Calls still start computing in the order they arrived (ArrivalOrder), as the
+        runner's queue kept them. A microbatch whose step function has already returned here
+        (one that does not call the model on this rank) gets a runner, as before."""
+        src, msg = call[0], call[1]
+        f = msg.fields
+        if not (self.inline_output and f.get("output") and f.get("grad") and "parent" not in f
+                and "chain" not in f and self.pipeline == "interleaved" and self.held_answers.hold_s > 0):
+            return False
+        key = ("out", f["mb"], 0)
+        with self._lock:
+            if f["mb"] in self._ended_mbs or self._error is not None:
+                return False
+            w = self._waiters.get(key)
+            if w is None:
+                w = self._waiters[key] = Waiter(str(key))
+            w.set((OwnOutputCall(call, self._arrivals.issue()), [], [], None))
+        return True
+
+    def _serve_own_output(self, task: Task, own: OwnOutputCall):
+        """The step function's thread serves the call that makes its own model output
+        (_route_to_step_function) and returns that output, holding the token again."""
+        try:
+            local = self._serve(*own.call, ticket=own.ticket, inline=True)
+        finally:
+            _local.task = task
+            self._token.acquire(self._prio(task), self._label(task))
+        with self._lock:
+            self.inline_output_serves += 1
+        if local is None:  # it failed: the step is aborted
+            raise self._error if self._error is not None else StepFailed(
+                f"pipeline rank {self.pp_rank}: serving the model output of microbatch {task.mb} failed")
+        return local
+
+    def _strand_own_output(self, mb: int) -> None:
+        """A step function that returned without taking the call handed to it (it did not call
+        the model here): a runner serves it, so the root gets its answer and later calls their
+        turn."""
+        with self._lock:
+            self._ended_mbs.add(mb)
+            w = self._waiters.get(("out", mb, 0))
+            left = w.unclaimed() if w is not None else None
+        if left is not None and isinstance(left[0], OwnOutputCall) and self._error is None:
+            self._queue_serve("fwd", (*left[0].call, left[0].ticket))
 
     def _queue_serve(self, queue: str, call) -> None:
         with self._lock:
@@ -862,10 +939,18 @@ class PipelineRuntime:
 
     def _serve_runner_waits(self, queue: str) -> None:
         """A runner waits for a peer in the middle of a served call: the calls queued behind it
-        get a runner of their own."""
+        get a runner of their own. (A step function serving its own output is no runner.)"""
+        if queue not in self._serve_runners:
+            return
         with self._lock:
             self._serve_runners[queue] -= 1
         self._ensure_serve_runner(queue)
+
+    def _serve_runner_back(self, queue: str) -> None:
+        """The runner that waited (_serve_runner_waits) takes calls again."""
+        if queue in self._serve_runners:
+            with self._lock:
+                self._serve_runners[queue] += 1
 
     def _windowed(self) -> bool:
         return self.pipeline == "interleaved"
@@ -911,7 +996,7 @@ class PipelineRuntime:
                 return None
         return list(task.visits)
 
-    def _enter_window(self, task: Task, limit: Optional[int]) -> bool:
+    def _enter_window(self, task: Task, limit: Optional[int], on_wait: Optional[Callable[[], None]] = None) -> bool:
         """A served forward of a microbatch new to this stage waits until fewer than `window`
         microbatches have frames here, as a stage of 1F1B holds only the microbatches between
         its forward and its backward (p - k on stage k, where the root's active_microbatches
@@ -921,7 +1006,9 @@ class PipelineRuntime:
         a microbatch already here must not wait behind it. A microbatch whose step function
         ends here without a backward (evaluation) leaves the window then (_run_microbatch),
         and a forward of a microbatch whose backward ran here already takes no place (no
-        backward would free it). Returns whether the call took a place."""
+        backward would free it). Returns whether the call took a place. `on_wait`: run when the
+        call starts waiting for a place (its turn among calls in arrival order is then over:
+        waiters enter in microbatch order)."""
         mb = task.mb
         if limit is None:
             return False
@@ -932,6 +1019,8 @@ class PipelineRuntime:
                 self._window_take(mb)
                 return True
             self._window_waiting[mb] += 1
+        if on_wait is not None:
+            on_wait()
         self._serve_runner_waits(task.queue)
         try:
             with self._flow, self.stall.waiting("{}: a place in this stage's window of {}", task, limit):
@@ -949,8 +1038,7 @@ class PipelineRuntime:
                 if self._window_waiting[mb] <= 0:
                     del self._window_waiting[mb]
                 self._flow.notify_all()
-            with self._lock:
-                self._serve_runners[task.queue] += 1
+            self._serve_runner_back(task.queue)
 
     def _window_take(self, mb: int) -> None:
         """One more call or frame of `mb` holds its place in the window (caller holds _flow)."""
@@ -972,7 +1060,12 @@ class PipelineRuntime:
                 self._window_live.pop(mb, None)
                 self._flow.notify_all()
 
-    def _serve(self, src: int, msg: Message, tensors, specs, ready) -> None:
+    def _serve(self, src: int, msg: Message, tensors, specs, ready, ticket: Optional[int] = None,
+               inline: bool = False):
+        """Serves a peer's call. `ticket`: its place among the output calls in arrival order
+        (ArrivalOrder). `inline`: the step function's thread serves the call that makes its
+        own model output (_route_to_step_function); that output is returned instead of
+        delivered (None if the call failed)."""
         f = msg.fields
         if msg.kind == "drop":
             try:
@@ -981,16 +1074,24 @@ class PipelineRuntime:
                 self._abort(e if isinstance(e, StepFailed) else StepFailed(self._describe(
                     f"dropping a frame of microbatch {f['mb']}", e)))
             return
-        _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve", queue=msg.kind)
+        _local.task = task = Task(f["mb"], FORWARD if msg.kind == "fwd" else BACKWARD, "serve",
+                                  queue="inline" if inline else msg.kind)
         counted = False  # this call holds a place in the stage's window
         turn = None
         hold = False  # the answer waits for this microbatch's input gradients (held_answers.py)
+        local = None
+        pass_turn = None if ticket is None else (lambda: self._arrivals.passed(ticket))
         try:
             take(tensors, ready)
+            if ticket is not None:
+                with self.stall.waiting("{}: the calls that arrived before it", task):
+                    self._arrivals.wait_turn(ticket, self.aborted)
             if msg.kind == "fwd" and f["grad"] and self._windowed():
-                counted = self._enter_window(task, self._window_limit(f))
+                counted = self._enter_window(task, self._window_limit(f), on_wait=pass_turn)
             with self._autocast_context(f.get("autocast")):
                 self._token.acquire(self._prio(task), self._label(task))
+                if pass_turn is not None:
+                    pass_turn()
                 try:
                     if msg.kind == "fwd":
                         dst, kind, meta, out, local = self._serve_forward(f, msg.body, tensors, specs, task,
@@ -1019,7 +1120,8 @@ class PipelineRuntime:
                 # nothing this runner still sends can follow this rank's "end".
                 if hold:  # before the step function can reach model.backward, which claims it
                     self.held_answers.hold((self._step, f["mb"]), dst, meta, out, made)
-                self._deliver(("out", f["mb"], 0), (local, [], [], None))
+                if not inline:
+                    self._deliver(("out", f["mb"], 0), (local, [], [], None))
             # The drops go before the answer: once it is sent the step can end, and a drop
             # sent after this rank's "end" would reach its peer in the next step.
             for rank, drop in task.drops:
@@ -1033,10 +1135,14 @@ class PipelineRuntime:
             what = f"module '{f.get('path') or '<root>'}'" if msg.kind == "fwd" else "a backward"
             self._abort(e if isinstance(e, StepFailed) else StepFailed(self._describe(
                 f"{what} of microbatch {f['mb']} raised", e)))
+            local = None
         finally:
+            if pass_turn is not None:
+                pass_turn()  # (failed before its turn: the abort ends the step for the later ones)
             if counted:
                 self._window_done(f["mb"])  # this call's place; its frame, if any, keeps its own
             _local.task = None
+        return local if inline else None
 
     def _holds_answer(self, f) -> bool:
         """Whether the answer to a served forward that made the model output here waits for
@@ -1188,6 +1294,7 @@ class PipelineRuntime:
         for w in waiters:
             w.fail(self._error)
         self._token.wake()
+        self._arrivals.wake()
         with self._flow:
             self._flow.notify_all()
         if first_send:

@@ -229,3 +229,49 @@ class Waiter:
         if self._done.is_set() and self._error is None and not self._claimed:
             return self._value
         return None
+
+
+class ArrivalOrder:
+    """Tickets that make calls start in the order they arrived, when each goes to a thread of
+    its own (the last stage's step functions serve their own output calls: runtime.py).
+
+    The receiver issues a ticket per call; a call's thread waits until every call with an
+    earlier ticket has passed its turn (taken the compute token, or begun to wait for a place
+    in the stage's window, where waiters enter in microbatch order). Without it, the thread of
+    a later call that woke first could take a free token before the earlier one's thread got
+    up: BatchNorm's running statistics and the gradients' order of summation depend on the
+    order forwards run in. No timeout lets the order slip; the wait ends only with the step's
+    abort.
+    """
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._issued = 0
+        self._passed = 0
+
+    def issue(self) -> int:
+        with self._cond:
+            ticket = self._issued
+            self._issued += 1
+            return ticket
+
+    def wait_turn(self, ticket: int, aborted: Callable[[], Optional[BaseException]]) -> None:
+        if self._passed == ticket:  # (it only grows: the common case needs no lock)
+            return
+        with self._cond:
+            while self._passed != ticket:
+                if (err := aborted()) is not None:
+                    raise err
+                self._cond.wait(0.5)
+
+    def passed(self, ticket: int) -> None:
+        """`ticket`'s call has taken its turn (or failed): the next may go."""
+        with self._cond:
+            if self._passed == ticket:
+                self._passed += 1
+                self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Waiters look at the abort flag now."""
+        with self._cond:
+            self._cond.notify_all()

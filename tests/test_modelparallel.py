@@ -1093,6 +1093,13 @@ def test_backward_called_on_one_rank_only_is_an_error_on_every_rank():
     assert all("BACKWARD ON ONE RANK OK" in r.stdout for r in results)
 
 
+@pytest.mark.parametrize("env", [{}, {"SMDDP_SMP_INLINE_OUTPUT": "0"}], ids=["step-function-serves", "runner-serves"])
+def test_the_model_called_on_one_rank_only_is_an_error_on_every_rank(env):
+    results = run_world(2, "smp_errors.py", ["model_on_one_rank"], env=env, timeout=90)
+    assert_all_ok(results)
+    assert all("MODEL ON ONE RANK OK" in r.stdout for r in results)
+
+
 @pytest.mark.parametrize("procs, case, done", [
     (2, "forward_after_backward", "FORWARD AFTER BACKWARD OK"),
     (3, "forward_after_backward_new_stage", "FORWARD AFTER BACKWARD NEW STAGE OK"),

@@ -241,6 +241,28 @@ def backward_on_one_rank():
     print("BACKWARD ON ONE RANK OK", flush=True)
 
 
+def model_on_one_rank():
+    """A step function that calls the model (and model.backward) on the root only, while the
+    last stage holds the model's last layers and starts the backward from its own loss: an
+    error naming the requirement on both ranks, not a hang. The last stage's step function
+    returns before or after the root's call reaches it; either way the call is served there
+    and the root learns that no backward will start."""
+    model = two_stage_classifier()
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
+    assert torch.isfinite(train_step(model, x, y).reduce_mean())
+
+    @smp.step
+    def root_only(model, x, y):
+        if smp.pp_rank() == 0:
+            loss = F.cross_entropy(model(x), y)
+            model.backward(loss)
+            return loss
+        return torch.zeros(())
+
+    expect(smp.StepFailed, "call model.backward on every rank", lambda: root_only(model, x, y))
+    print("MODEL ON ONE RANK OK", flush=True)
+
+
 def forward_after_backward():
     """A step function that calls the model again after model.backward, gradients on (metrics,
     say): the second call's frame on the last stage never has a backward. With 2 microbatches
@@ -391,7 +413,8 @@ def message_stops_halfway():
 {"misuse": misuse, "bad_config": bad_config, "rank_dies": rank_dies, "rank_stops": lambda: rank_dies("stop"),
  "rank_dies_with_replicas": lambda: rank_dies(replicas=True), "replica_skips_a_step": replica_skips_a_step,
  "quiet_links": quiet_links, "slow_middle_stage": lambda: quiet_links(slow_on=1),
- "backward_on_one_rank": backward_on_one_rank, "forward_after_backward": forward_after_backward,
+ "backward_on_one_rank": backward_on_one_rank, "model_on_one_rank": model_on_one_rank,
+ "forward_after_backward": forward_after_backward,
  "forward_after_backward_new_stage": forward_after_backward_new_stage,
  "backward_not_on_root": backward_not_on_root, "backward_twice": backward_twice,
  "message_stops_halfway": message_stops_halfway, "rank0_dies_before_init": rank0_dies_before_init}[CASE]()

@@ -110,8 +110,8 @@ class ServedFrame:
 @dataclass
 class OwnOutputCall:
     """The root's call that makes the model output here, handed to the step function thread
-    that waits for that output, which serves it itself (PipelineRuntime._route_to_step_function).
-    `ticket`: its place in the order such calls arrived in (scheduler.ArrivalOrder)."""
+    that waits for that output, which serves it itself (PipelineRuntime._route_forward).
+    `ticket`: its place in the order forward calls arrived in (scheduler.ArrivalOrder)."""
     call: tuple  # (src, msg, tensors, specs, ready), as a serve runner gets it
     ticket: int
 
@@ -172,7 +172,7 @@ class PipelineRuntime:
         self.chain_calls = config.value("SMDDP_SMP_CHAIN_CALLS") != "0"  # see call_remote
         self.chained_hops = 0  # forwards this rank passed straight to the next hop of a chain, ever
         # The last stage's step function serves the call that makes its own model output,
-        # instead of a serve runner handing the output over (_route_to_step_function).
+        # instead of a serve runner handing the output over (_route_forward).
         self.inline_output = config.value("SMDDP_SMP_INLINE_OUTPUT") != "0"
         self.inline_output_serves = 0  # calls served that way, ever
         # The last stage's answers to the root wait for the input gradients, to leave in their
@@ -822,9 +822,9 @@ class PipelineRuntime:
                     f"pipeline rank {src} sent pipeline rank {self.pp_rank} a '{msg.kind}' of step "
                     f"{msg.fields['id'][1]} after that step ended here")))
                 return
-            if msg.kind == "fwd" and self._route_to_step_function((src, msg, tensors, specs, ready)):
-                pass
-            elif msg.kind in ("fwd", "bwd"):
+            if msg.kind == "fwd":
+                self._route_forward((src, msg, tensors, specs, ready))
+            elif msg.kind == "bwd":
                 self._queue_serve(msg.kind, (src, msg, tensors, specs, ready))
             elif msg.kind == "drop":  # served as backwards are, after those queued before it
                 self._queue_serve("bwd", (src, msg, tensors, specs, ready))
@@ -854,10 +854,14 @@ class PipelineRuntime:
                 w = self._waiters[key] = Waiter(str(key))
         w.set(value)
 
-    def _route_to_step_function(self, call) -> bool:
-        """Hands the root's call that makes this rank's copy of the model output (the root
-        Sequential's last children, whose owner starts the backward) to the step function
-        thread that will wait for that output; returns whether it did.
+    def _inlines_output(self) -> bool:
+        """Whether this step may hand output calls to step functions (_route_forward)."""
+        return self.inline_output and self.pipeline == "interleaved" and self.held_answers.hold_s > 0
+
+    def _route_forward(self, call) -> None:
+        """A forward call from a peer goes to a serve runner, or, for the root's call that makes
+        this rank's copy of the model output (the root Sequential's last children, whose owner
+        starts the backward), to the step function thread that will wait for that output.
 
         That thread then serves the call itself and goes on to the loss and model.backward.
         Through a serve runner, the runner computed the output and woke the step function's
@@ -865,50 +869,60 @@ class PipelineRuntime:
         waited) sat on the last stage's critical path between its forward and backward.
 
         Only under "interleaved" with held answers, when the call is not a chain's hop: the
-        answer then waits for the backward's message, so serving sends nothing before the
-        loss. Calls still start computing in the order they arrived (ArrivalOrder), as the
-        runner's queue kept them. A microbatch whose step function has already returned here
-        (one that does not call the model on this rank) gets a runner, as before."""
-        src, msg = call[0], call[1]
-        f = msg.fields
-        if not (self.inline_output and f.get("output") and f.get("grad") and "parent" not in f
-                and "chain" not in f and self.pipeline == "interleaved" and self.held_answers.hold_s > 0):
-            return False
+        answer then waits for the backward's message, so serving it usually sends nothing
+        before the loss. Every forward call then takes a ticket in arrival order
+        (ArrivalOrder), so calls still start computing in the order they arrived, whichever
+        thread serves them, as one runner's queue kept them. A microbatch whose step function
+        has already returned here (one that does not call the model on this rank) gets a
+        runner, as before."""
+        f = call[1].fields
+        if not self._inlines_output():
+            self._queue_serve("fwd", call)
+            return
+        own = f.get("output") and f.get("grad") and "parent" not in f and "chain" not in f
         key = ("out", f["mb"], 0)
         with self._lock:
-            if f["mb"] in self._ended_mbs or self._error is not None:
-                return False
-            w = self._waiters.get(key)
-            if w is None:
-                w = self._waiters[key] = Waiter(str(key))
-            w.set((OwnOutputCall(call, self._arrivals.issue()), [], [], None))
-        return True
+            ticket = self._arrivals.issue()
+            if own and f["mb"] not in self._ended_mbs and self._error is None:
+                w = self._waiters.get(key)
+                if w is None:
+                    w = self._waiters[key] = Waiter(str(key))
+                w.set((OwnOutputCall(call, ticket), [], [], None))
+                return
+        self._queue_serve("fwd", (*call, ticket))
 
     def _serve_own_output(self, task: Task, own: OwnOutputCall):
         """The step function's thread serves the call that makes its own model output
-        (_route_to_step_function) and returns that output, holding the token again."""
+        (_route_forward) and returns that output, holding the token again. The forward runs
+        under this thread's thread-local state, which is the root's at its model call (every
+        rank runs the same step function); autocast's cache of cast weights is dropped after
+        it, as a runner's was when its autocast ended, rather than kept until the step
+        function ends."""
         try:
             local = self._serve(*own.call, ticket=own.ticket, inline=True)
         finally:
             _local.task = task
+            torch.clear_autocast_cache()
             self._token.acquire(self._prio(task), self._label(task))
-        with self._lock:
-            self.inline_output_serves += 1
-        if local is None:  # it failed: the step is aborted
+        if local is None:  # it failed, or the step was aborted before it ran: the step fails
             raise self._error if self._error is not None else StepFailed(
                 f"pipeline rank {self.pp_rank}: serving the model output of microbatch {task.mb} failed")
+        with self._lock:
+            self.inline_output_serves += 1
         return local
 
     def _strand_own_output(self, mb: int) -> None:
         """A step function that returned without taking the call handed to it (it did not call
-        the model here): a runner serves it, so the root gets its answer and later calls their
-        turn."""
+        the model here): this thread serves it now, before the microbatch's end is handled, so
+        the root gets its answer, the next calls their turn, and a root that waits for this
+        rank's backward the clear error of a skipped one (_run_microbatch)."""
         with self._lock:
             self._ended_mbs.add(mb)
             w = self._waiters.get(("out", mb, 0))
             left = w.unclaimed() if w is not None else None
-        if left is not None and isinstance(left[0], OwnOutputCall) and self._error is None:
-            self._queue_serve("fwd", (*left[0].call, left[0].ticket))
+        if left is not None and isinstance(left[0], OwnOutputCall):
+            self._serve(*left[0].call, ticket=left[0].ticket, inline=True)
+            _local.task = None
 
     def _queue_serve(self, queue: str, call) -> None:
         with self._lock:
@@ -1062,10 +1076,10 @@ class PipelineRuntime:
 
     def _serve(self, src: int, msg: Message, tensors, specs, ready, ticket: Optional[int] = None,
                inline: bool = False):
-        """Serves a peer's call. `ticket`: its place among the output calls in arrival order
-        (ArrivalOrder). `inline`: the step function's thread serves the call that makes its
-        own model output (_route_to_step_function); that output is returned instead of
-        delivered (None if the call failed)."""
+        """Serves a peer's call. `ticket`: a forward call's place in arrival order (ArrivalOrder;
+        None: the runner's queue alone orders the calls). `inline`: the step function's thread
+        serves the call that makes its own model output (_route_forward); that output is
+        returned instead of delivered (None if the call failed or the step was aborted)."""
         f = msg.fields
         if msg.kind == "drop":
             try:
@@ -1092,6 +1106,9 @@ class PipelineRuntime:
                 self._token.acquire(self._prio(task), self._label(task))
                 if pass_turn is not None:
                     pass_turn()
+                if self._error is not None:  # (a call handed over before the step's abort arrived)
+                    self._token.release()
+                    raise self._error
                 try:
                     if msg.kind == "fwd":
                         dst, kind, meta, out, local = self._serve_forward(f, msg.body, tensors, specs, task,
@@ -1129,6 +1146,8 @@ class PipelineRuntime:
             if not hold:
                 sending, turn = turn, None  # the send uses the turn up, whatever happens
                 self.links.send_encoded_in_turn(dst, kind, meta, out, sending, made)
+            if local is not None:
+                self._skip_orphaned_backward(f)
         except BaseException as e:
             if turn is not None:  # reserved, never sent: later sends to that peer must not wait for it
                 self.links.pass_turn(dst, kind, turn)
@@ -1154,7 +1173,30 @@ class PipelineRuntime:
                 or self._error is not None):
             return False
         with self._lock:
-            return self._output_frames.get(f["mb"], (None,))[0] == f["id"]
+            # (Not when its step function has returned here: nothing would claim it.)
+            return self._output_frames.get(f["mb"], (None,))[0] == f["id"] and f["mb"] not in self._ended_mbs
+
+    def _skip_orphaned_backward(self, f) -> None:
+        """The call that made this rank's copy of the model output was served after its
+        microbatch's step function returned here (one that does not call the model on this
+        rank): no model.backward here will start that backward. Its frame goes, with its graph
+        instances and its place in the window (a later microbatch waiting for that place would
+        hang the step), and the caller gets the answer of a skipped backward, an error if it
+        waits for it (_backward), as when the step function ends after the call was served
+        (_run_microbatch). Before, the root waited for it forever."""
+        with self._lock:
+            if f["mb"] not in self._ended_mbs:
+                return
+            produced = self._output_frames.pop(f["mb"], None)
+            frame = self._frames.pop(f["id"], None) if produced is not None else None
+        if produced is None:
+            return
+        if frame is not None:
+            self.graphs.release(frame.leases)
+            if frame.windowed:
+                self._window_done(frame.mb)
+        caller, call_id = produced[1]
+        self.links.send(caller, Message("bwd_done", {"id": call_id}, None))
 
     def _serve_forward(self, f, body, tensors, specs, task: Task, counted: bool):
         """Runs a forward call for a peer; returns where its answer goes, the answer encoded,

@@ -232,8 +232,9 @@ class Waiter:
 
 
 class ArrivalOrder:
-    """Tickets that make calls start in the order they arrived, when each goes to a thread of
-    its own (the last stage's step functions serve their own output calls: runtime.py).
+    """Tickets that make forward calls start in the order they arrived, when they go to
+    different threads (the last stage's step functions serve their own output calls, serve
+    runners the others: runtime.py).
 
     The receiver issues a ticket per call; a call's thread waits until every call with an
     earlier ticket has passed its turn (taken the compute token, or begun to wait for a place

@@ -232,7 +232,7 @@ class PipelineRuntime:
         self._output_frames: Dict[int, Tuple[CallId, Tuple[int, CallId]]] = {}
         self._finished = 0
         self._ended_mbs: set = set()  # microbatches whose step function returned here (under _lock)
-        self._arrivals = ArrivalOrder()  # the order of the output calls step functions serve
+        self._arrivals = ArrivalOrder()  # forward calls' arrival order, kept across threads (_route_forward)
         self._at_backward = 0
         self._serving_backward = 0
         self._grads_final_fired = False
@@ -1197,6 +1197,7 @@ class PipelineRuntime:
                 self._window_done(frame.mb)
         caller, call_id = produced[1]
         self.links.send(caller, Message("bwd_done", {"id": call_id}, None))
+        self._check_grads_final()  # (the frame no longer counts as a backward to come)
 
     def _serve_forward(self, f, body, tensors, specs, task: Task, counted: bool):
         """Runs a forward call for a peer; returns where its answer goes, the answer encoded,

@@ -27,7 +27,7 @@ CASES = [["seqparts", "manual", "interleaved", "2", "8", "30"],
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("seconds", type=float)
-    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument("--procs", type=int, default=4, choices=[2, 4], help="2: pp=2; 4: pp=2 x dp=2")
     ap.add_argument("--cpu", action="store_true", help="run the ranks on CPUs (default: one GPU each)")
     ap.add_argument("--hang-s", type=float, default=90)
     args = ap.parse_args()

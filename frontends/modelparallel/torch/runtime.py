@@ -849,10 +849,15 @@ class PipelineRuntime:
 
     def _deliver(self, key, value) -> None:
         with self._lock:
-            w = self._waiters.get(key)
-            if w is None:
-                w = self._waiters[key] = Waiter(str(key))
+            w = self._waiter(key)
         w.set(value)
+
+    def _waiter(self, key) -> Waiter:
+        """The waiter for `key`, made if nobody asked for it yet (caller holds _lock)."""
+        w = self._waiters.get(key)
+        if w is None:
+            w = self._waiters[key] = Waiter(str(key))
+        return w
 
     def _inlines_output(self) -> bool:
         """Whether this step may hand output calls to step functions (_route_forward)."""
@@ -880,14 +885,10 @@ class PipelineRuntime:
             self._queue_serve("fwd", call)
             return
         own = f.get("output") and f.get("grad") and "parent" not in f and "chain" not in f
-        key = ("out", f["mb"], 0)
-        with self._lock:
+        with self._lock:  # (with the check of _ended_mbs, against _strand_own_output)
             ticket = self._arrivals.issue()
             if own and f["mb"] not in self._ended_mbs and self._error is None:
-                w = self._waiters.get(key)
-                if w is None:
-                    w = self._waiters[key] = Waiter(str(key))
-                w.set((OwnOutputCall(call, ticket), [], [], None))
+                self._waiter(("out", f["mb"], 0)).set((OwnOutputCall(call, ticket), [], [], None))
                 return
         self._queue_serve("fwd", (*call, ticket))
 

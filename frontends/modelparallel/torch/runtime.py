@@ -228,6 +228,11 @@ class PipelineRuntime:
         self._flow = threading.Condition()
         self._started = 0
         self._first_computed = 0  # microbatches that have taken the compute token once
+        # mb -> set once microbatch mb - 1 has computed (_acquire_in_order); each waiting thread
+        # sleeps on its own, instead of every change of _flow waking all of them.
+        self._first_turns: Dict[int, threading.Event] = {}
+        # Set when a microbatch finishes or the step fails: what the root's admission waits for.
+        self._a_microbatch_ended = threading.Event()
         # mb -> (id of the served call that made its output, the call its caller waits on)
         self._output_frames: Dict[int, Tuple[CallId, Tuple[int, CallId]]] = {}
         self._finished = 0
@@ -398,6 +403,7 @@ class PipelineRuntime:
                 if not task.backward_called:  # its frames here will have no backward this step
                     self._window_live.pop(mb, None)
                 self._flow.notify_all()
+                self._a_microbatch_ended.set()
             self._check_grads_final()
 
     def _acquire_in_order(self, task: Task) -> None:
@@ -406,15 +412,21 @@ class PipelineRuntime:
         the root sent microbatch 2's forward before microbatch 0's, and every stage after it
         worked out of order, delaying the first backward)."""
         if self._first_computed < task.mb:  # (it only grows: once enough, no need to wait or lock)
-            with self._flow, self.stall.waiting("microbatch {}: microbatch {}'s first compute", task.mb, task.mb - 1):
+            with self._flow:
+                turn = self._first_turns.setdefault(task.mb, threading.Event())
+                if self._first_computed >= task.mb:
+                    turn.set()
+            with self.stall.waiting("microbatch {}: microbatch {}'s first compute", task.mb, task.mb - 1):
                 while self._first_computed < task.mb:
                     if self._error is not None:
                         raise self._error
-                    self._flow.wait(0.5)
+                    turn.wait(0.5)
         self._token.acquire(self._prio(task), self._label(task))
         with self._flow:
-            self._first_computed = max(self._first_computed, task.mb + 1)
-            self._flow.notify_all()
+            if self._first_computed < task.mb + 1:
+                self._first_computed = task.mb + 1
+                for mb in [mb for mb in self._first_turns if mb <= self._first_computed]:
+                    self._first_turns.pop(mb).set()
 
     def _check_grads_final(self) -> None:
         """This rank's gradients are final once its microbatches have all run their step
@@ -436,14 +448,18 @@ class PipelineRuntime:
         Microbatches start in order; interleaved: at most `active_microbatches` of them
         between start and finish. (In order, or a later microbatch could take the last slot and
         then wait for an earlier one to compute first, which waits for the slot.)"""
-        with self._flow, self.stall.waiting("microbatch {}: its start (active_microbatches in flight)", mb):
-            while self._started != mb or (self.pipeline == "interleaved" and
-                                          self._started - self._finished >= self.active):
-                if self._error is not None:
-                    return False
-                self._flow.wait(0.5)
-            self._started += 1
-            return True
+        with self.stall.waiting("microbatch {}: its start (active_microbatches in flight)", mb):
+            while True:
+                with self._flow:
+                    # (Cleared before the check: a microbatch that ends after it sets it again.)
+                    self._a_microbatch_ended.clear()
+                    if self._error is not None:
+                        return False
+                    if self._started == mb and (self.pipeline != "interleaved" or
+                                                self._started - self._finished < self.active):
+                        self._started += 1
+                        return True
+                self._a_microbatch_ended.wait(0.5)
 
     @staticmethod
     def _label(task: Optional[Task]) -> str:
@@ -509,7 +525,8 @@ class PipelineRuntime:
             task.reached_backward = True
             with self._flow:
                 self._at_backward += 1
-                self._flow.notify_all()
+                if self.pipeline == "simple":  # (only "simple" backwards wait for this count)
+                    self._flow.notify_all()
         with self._lock:
             produced = self._output_frames.pop(task.mb, None)
         if self.pp_rank != self.root_owner and produced is None:
@@ -553,9 +570,13 @@ class PipelineRuntime:
             if g is None:
                 if t.numel() != 1:
                     raise RuntimeError("smp: model.backward(tensors) without gradients needs one-element tensors")
-                g = torch.ones_like(t)
+                # (One kernel for ones_like(t) * scale, the same value: both take the scale to
+                # t's dtype through float.)
+                g = torch.full_like(t, self.grad_scale)
+            elif self.grad_scale != 1.0:
+                g = g * self.grad_scale
             seeds.append(t)
-            seed_grads.append(g * self.grad_scale if self.grad_scale != 1.0 else g)
+            seed_grads.append(g)
         return seeds, seed_grads
 
     def _backward_from_output(self, call_id, seeds, seed_grads) -> None:
@@ -1341,6 +1362,9 @@ class PipelineRuntime:
         self._arrivals.wake()
         with self._flow:
             self._flow.notify_all()
+            self._a_microbatch_ended.set()
+            for turn in self._first_turns.values():
+                turn.set()
         if first_send:
             why = str(self._error)
             for p in range(self.pp_size):

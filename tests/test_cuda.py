@@ -306,6 +306,84 @@ def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipelin
         assert max(r["graph_layout"]["instances"] - r["graph_layout"]["runs"] for r in reports) > 0, reports
 
 
+@needs_a_gpu
+def test_cuda_stage_graphs_backward_twice_and_against_eager():
+    """One GPU, smp's StageGraphs driven directly. A graphed run's backward frees the forward's
+    activations into its own temporaries; a second backward of the same forward (a skip
+    connection's two segments) replays the forward first, with the first replay's dropout
+    masks, and counts BatchNorm's running statistics once. Two backwards (gradients a, then b)
+    must give what one backward of a + b gives, outputs and running statistics alike; and a
+    graphed run without randomness must give what the eager model gives."""
+    import torch.nn as nn
+    from smdistributed.modelparallel.torch.stage_graphs import StageGraphs
+
+    def model(dropout):
+        torch.manual_seed(0)
+        layers = [nn.Linear(32, 64), nn.BatchNorm1d(64), nn.GELU(), nn.LayerNorm(64)]
+        layers += [nn.Dropout(0.5)] if dropout else []
+        return nn.Sequential(*layers, nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).cuda()
+
+    def drive(net, graphs, x, grads, split):
+        """Four calls: two eager warm-ups, the capture, a replay. Returns each call's output and
+        parameters' gradients, and the running statistics at the end."""
+        outs, param_grads = [], []
+        for call in range(4):
+            torch.manual_seed(100 + call)
+            for p in net.parameters():
+                p.grad = None
+            leases = []
+            if graphs is None:
+                out = net(x)
+            else:
+                out = graphs.run(("run",), list(net), x, leases, lambda: net(x))
+            if split:
+                out.backward(grads[0], retain_graph=True)
+                out.backward(grads[1])
+            else:
+                out.backward(grads[0] + grads[1])
+            if graphs is not None:
+                graphs.release(leases)
+                graphs.flush_gradients()
+            outs.append(out.detach().clone())
+            param_grads.append([p.grad.clone() for p in net.parameters()])
+        return outs, param_grads, [b.clone() for b in net.buffers()]
+
+    def assert_near(got, want):
+        # Relative to the whole tensor (the sums round differently), and absolute for a gradient
+        # that is zero but for rounding (the bias of a Linear whose output a BatchNorm centres).
+        got, want = got.double(), want.double()  # (num_batches_tracked is an integer)
+        diff = (got - want).norm().item()
+        assert diff <= 1e-5 * want.norm().item() + 1e-5, (diff, want.norm().item())
+
+    x = torch.randn(16, 32, device="cuda")
+    grads = [torch.randn(16, 32, device="cuda"), torch.randn(16, 32, device="cuda")]
+    # Two backwards of one forward against one backward of the summed gradient, dropout on.
+    runs = {}
+    for split in (False, True):
+        graphs = StageGraphs(True)
+        graphs.limit = 1
+        runs[split] = drive(model(True), graphs, x, grads, split)
+        assert graphs.counters["replays"] == 2 and graphs.counters["captures"] == 1, graphs.counters
+    (outs_one, grads_one, stats_one), (outs_two, grads_two, stats_two) = runs[False], runs[True]
+    for call in (2, 3):  # the graphed calls
+        assert torch.equal(outs_one[call], outs_two[call]), f"call {call}: the replays' outputs differ"
+        for a, b in zip(grads_one[call], grads_two[call]):
+            assert_near(b, a)
+    for a, b in zip(stats_one, stats_two):
+        assert torch.equal(a, b), "the recomputed forward changed BatchNorm's running statistics"
+    # Graphed against eager, no randomness: the same outputs and gradients.
+    graphs = StageGraphs(True)
+    graphs.limit = 1
+    eager, graphed = drive(model(False), None, x, grads, False), drive(model(False), graphs, x, grads, False)
+    assert graphs.counters["replays"] == 2, graphs.counters
+    for call in (2, 3):
+        assert_near(graphed[0][call], eager[0][call])
+        for a, b in zip(eager[1][call], graphed[1][call]):
+            assert_near(b, a)
+    for a, b in zip(eager[2], graphed[2]):
+        assert_near(b, a)
+
+
 @needs_two_gpus
 @pytest.mark.parametrize("procs, script, params", [
     pytest.param(2, "seed002_auto_partition.py", {"partitions": 2, "microbatches": 4}, id="auto-pp2"),

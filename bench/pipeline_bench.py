@@ -24,7 +24,7 @@ at every step or at some).
 Peak memory: on GPUs, torch's max_memory_allocated over the warm-up and timed steps
 (peak_gb; the warm-up holds the stage graphs' captures) and over the timed steps alone
 (steady_peak_gb); with `--graphs`, each rank's reserved GB after the timed steps split by pool
-(graphs.reserved_gb: instance, other; see reserved_by_pool). On CPUs (`--memory`),
+(graphs.reserved_gb: forward, backward, other; see reserved_by_pool). On CPUs (`--memory`),
 the most a step adds to the process's resident memory (sampled every 0.5 ms over two extra,
 untimed steps, from just before the step): activations, gradients and transfers. Run it with
 MALLOC_MMAP_THRESHOLD_=131072 so that freed tensors go back to the system (glibc otherwise
@@ -133,9 +133,9 @@ def peak_gb():
 
 
 def reserved_by_pool(graphs):
-    """GB the allocator reserves now, split by pool: the stage graphs' pools (one per instance,
-    its forward's and backward's) and the rest ("other": the general pool, where eager work,
-    parameters, gradients and messages live). Graph pools hold a replay's activations and
+    """GB the allocator reserves now, split by pool: the stage graphs' forward pools (one per
+    instance), their shared backward pool, and the rest ("other": the general pool, where eager
+    work, parameters, gradients and messages live). Graph pools hold a replay's activations and
     temporaries, which max_memory_allocated does not count between replays."""
     labels = graphs.pool_labels()
     split = collections.Counter()

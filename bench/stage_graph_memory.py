@@ -5,7 +5,8 @@ the forwards and backwards of a 1F1B stage 0 at pp=2 (F0 F1 B0 F2 B1 ... : two m
 in flight) for a batch of 64 split into M microbatches, through smp's StageGraphs (the code
 the pipeline runs under SMDDP_SMP_CUDA_GRAPHS=1) and eagerly. After warm-up steps (the
 captures happen there) it prints, for steady steps, the most allocated and the reserved GB,
-the graphed variant's reserved GB by pool (each instance's pool, the rest), the time a step
+the graphed variant's reserved GB by pool (each instance's forward pool, the shared backward
+pool, the rest), the time a step
 takes (5 steps by default, a short sample), and the sizes they are made of: the stage's
 parameters (its gradients and the graphs' gradient buffers are as large) and
 one microbatch's saved activations.

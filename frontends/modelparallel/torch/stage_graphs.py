@@ -18,14 +18,14 @@ to the task that ran its forward (a microbatch on the root, a served call on oth
 freed when that task's backward is done (a skip connection can run one backward node twice,
 in two segments, so not at the first backward replay). There are at most as many instances
 of one run as microbatches the schedule keeps in flight ("simple": all of them; "interleaved":
-`active_microbatches`); a run that finds none free runs eagerly. Each instance has a memory
-pool of its own, held for the life of the model, into which both its graphs capture: the
-backward frees each saved activation after its last use, as an eager backward does, so its
-temporaries and gradients take the activations' memory and an instance holds about one
-microbatch's activations. (A second backward of one forward, which a skip connection can ask
-for, replays the forward again first.) The backward replays run on the device's default stream
-(the stream the compute threads use), one after the other, since they add to shared gradient
-buffers (below).
+`active_microbatches`); a run that finds none free runs eagerly. Each instance's forward has a
+memory pool of its own, held for the life of the model: the activations of one microbatch.
+Every backward graph of the rank captures into one shared pool instead. A backward's
+temporaries are dead once it ends, and its outputs (the input's and parameters' gradients) are
+consumed right after its replay, on the same stream, before any other backward replays; so
+the backwards can reuse each other's memory, and the rank reserves one backward's temporaries,
+not one per instance. That needs the backward replays to run one after the other: they all
+run on the device's default stream (the stream the compute threads use).
 
 Gradients. The backward graph adds the parameters' gradients (one multi-tensor kernel) to
 buffers of the run, shared by all its instances and shapes, which gather the whole step's
@@ -76,15 +76,10 @@ class _Instance:
     """One captured forward/backward pair with its static inputs and outputs."""
 
     def __init__(self, modules: Sequence[nn.Module], x: torch.Tensor, stream: torch.cuda.Stream,
-                 autocast_dtype: Optional[torch.dtype], param_grad_out: List[torch.Tensor],
+                 autocast_dtype: Optional[torch.dtype], backward_pool, param_grad_out: List[torch.Tensor],
                  accumulator: "_StepAccumulator"):
         self.busy = False
-        # The backward replay consumed the forward replay's activations (see the capture below):
-        # another backward of the same forward recomputes them first (_GraphedRun.backward).
-        self.consumed = False
-        self.rng_before_forward: Optional[torch.Tensor] = None
         run = nn.Sequential(*modules)  # a view of the children for functional_call; owns nothing new
-        self.buffers = list(run.buffers())
         named = _named_params_needing_grad(modules)
         if not named:
             raise NotGraphable("it has no parameters that need a gradient")
@@ -96,7 +91,7 @@ class _Instance:
         # legacy stream depend on a capturing blocking stream"); an alias's node is made here,
         # on the capture stream.
         aliases = {n: p.detach().requires_grad_() for n, p in named}
-        pool = self.pool = torch.cuda.graph_pool_handle()  # its forward's and backward's (see pool_labels)
+        pool = self.pool = torch.cuda.graph_pool_handle()  # its forward's own (see pool_labels)
         self.static_in = torch.empty_like(x, memory_format=torch.contiguous_format)
         self.static_in.requires_grad_(x.requires_grad)
         stream.wait_stream(torch.cuda.current_stream())
@@ -109,18 +104,15 @@ class _Instance:
                 self.static_out = out.detach()
                 self.static_grad_out = torch.empty_like(out)
                 wrt = ([self.static_in] if x.requires_grad else []) + list(aliases.values())
-                # The backward captures into the forward's pool and frees each saved activation
-                # after its last use, as an eager backward does, so its temporaries and the
-                # parameters' gradients reuse the activations' memory: an instance holds about
-                # one microbatch's activations in all. (With the activations kept, for a
-                # second replay, the backwards needed a pool of their own, shared by the
-                # instances: 0.23-0.46 GB on the pipeline benchmark's first stage, one H200,
-                # bench/stage_graph_memory.py.) A second backward of one forward (a skip
-                # connection can run a node's backward twice, in two segments) replays the
-                # forward again first. The parameters' gradients are added, inside the graph,
-                # to the run's buffers (one multi-tensor kernel).
-                with _Capture(self.bwd, pool, x.device.index):
-                    grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True)
+                # retain_graph: the saved activations stay allocated, so a second replay (a
+                # skip connection runs a node's backward twice, in two segments) reads them
+                # intact. The backward's temporaries go to the rank's shared backward pool.
+                # The parameters' gradients are added, inside the graph, to the run's buffers
+                # (one multi-tensor kernel); the graph's own are freed within the capture, so
+                # the pool reuses them.
+                with _Capture(self.bwd, backward_pool, x.device.index):
+                    grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True,
+                                                retain_graph=True)
                     param_grads = list(grads[1:] if x.requires_grad else grads)
                     used = [i for i, g in enumerate(param_grads) if g is not None]
                     if used:
@@ -290,31 +282,11 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
         torch.cuda.set_rng_state(rng, x.device)
 
 
-def _recompute_forward(inst: _Instance) -> None:
-    """Replays `inst`'s forward again on the input it still holds, with the CUDA RNG where it
-    was at the first replay (the same dropout masks) and the buffers left as they were (a
-    BatchNorm's running statistics counted once), for a second backward of one forward: the
-    first backward replay freed the activations into its own temporaries."""
-    device = inst.static_in.device
-    rng_now = torch.cuda.get_rng_state(device)
-    saved = [b.clone() for b in inst.buffers]
-    torch.cuda.set_rng_state(inst.rng_before_forward, device)
-    try:
-        inst.fwd.replay()
-    finally:
-        torch.cuda.set_rng_state(rng_now, device)
-        with torch.no_grad():
-            for b, v in zip(inst.buffers, saved):
-                b.copy_(v)
-
-
 class _GraphedRun(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inst: _Instance, x: torch.Tensor, _grad_anchor: nn.Parameter):
         inst.static_in.copy_(x)
-        inst.rng_before_forward = torch.cuda.get_rng_state(x.device)
         inst.fwd.replay()
-        inst.consumed = False
         ctx.inst = inst
         # A copy: the next replay of this instance overwrites static_out, and the caller may
         # keep its output longer (a send in flight, the step's returned outputs).
@@ -333,12 +305,9 @@ class _GraphedRun(torch.autograd.Function):
         if elsewhere:
             shared.wait_stream(caller)
         with inst.accumulator.lock, cuda_streams.running_on(shared) if elsewhere else nullcontext():
-            if inst.consumed:
-                _recompute_forward(inst)
             inst.accumulator.begin(inst)
             inst.static_grad_out.copy_(grad_out)
             inst.bwd.replay()
-            inst.consumed = True
             grad_in = inst.static_grad_in.clone() if inst.static_grad_in is not None else None
         if elsewhere:
             caller.wait_stream(shared)
@@ -366,6 +335,7 @@ class StageGraphs:
         self._refused: Dict[tuple, str] = {}  # run -> why it cannot be graphed
         self._views: Dict[tuple, RunView] = {}  # run -> its modules, as the checks read them
         self._stream: Optional[torch.cuda.Stream] = None
+        self._backward_pool = None  # every backward graph's temporaries (see the module's doc)
         self._grad_buffers = _GradBuffers()
         self._accumulator = _StepAccumulator()  # the step's graphed gradients, and the replays' lock
         self._captures_seen = 0  # captures when the cache was last given back (after_step)
@@ -417,6 +387,7 @@ class StageGraphs:
             self._entries.clear()
             self._refused.clear()
             self._views.clear()
+            self._backward_pool = None
             self._grad_buffers.clear()
 
     def captured(self) -> bool:
@@ -447,11 +418,14 @@ class StageGraphs:
         return dict(instances=len(instances), runs=len({run for run, _ in instances}), grad_buffer_sets=len(sets))
 
     def pool_labels(self) -> Dict[tuple, str]:
-        """The graphs' memory pools, pool id -> "instance" (one per instance, its forward's and
-        backward's): what the allocator's snapshot calls each segment's pool, so a benchmark
+        """The graphs' memory pools, pool id -> "forward" (an instance's) or "backward" (the
+        shared one): what the allocator's snapshot calls each segment's pool, so a benchmark
         can split the memory reserved (bench/pipeline_bench.py)."""
         with self._lock:
-            return {tuple(inst.pool): "instance" for e in self._entries.values() for inst in e.instances}
+            labels = {tuple(inst.pool): "forward" for e in self._entries.values() for inst in e.instances}
+            if self._backward_pool is not None:
+                labels[tuple(self._backward_pool)] = "backward"
+        return labels
 
     def release_all(self) -> None:
         with self._lock:
@@ -522,12 +496,17 @@ class StageGraphs:
     def _capture(self, run_id, modules, x, autocast_dtype) -> _Instance:
         if self._stream is None:
             self._stream = torch.cuda.Stream(x.device)
+        # A new pool once no graph uses the old one (after clear(), or after a run's instances
+        # were dropped because its modules changed): torch frees a pool whose graphs are all
+        # gone, and a capture into its handle would then fail.
+        if self._backward_pool is None or not self.captured():
+            self._backward_pool = torch.cuda.graph_pool_handle()
         self._tls.depth = getattr(self._tls, "depth", 0) + 1
         try:
             # The shared gradient buffers are made outside the capture (the general pool).
             params = [p for _, p in _named_params_needing_grad(modules)]
-            return _Instance(modules, x, self._stream, autocast_dtype, self._grad_buffers.get(run_id, params),
-                             self._accumulator)
+            return _Instance(modules, x, self._stream, autocast_dtype, self._backward_pool,
+                             self._grad_buffers.get(run_id, params), self._accumulator)
         finally:
             self._tls.depth -= 1
 

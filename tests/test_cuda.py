@@ -371,7 +371,7 @@ def test_cuda_stage_graphs_backward_twice_and_against_eager():
         for a, b in zip(grads_one[call], grads_two[call]):
             assert_near(b, a)
     for a, b in zip(stats_one, stats_two):
-        assert torch.equal(a, b), "the recomputed forward changed BatchNorm's running statistics"
+        assert torch.equal(a, b), "the second backward changed BatchNorm's running statistics"
     # Graphed against eager, no randomness: the same outputs and gradients.
     graphs = StageGraphs(True)
     graphs.limit = 1

@@ -423,10 +423,11 @@ class PipelineRuntime:
                     turn.wait(0.5)
         self._token.acquire(self._prio(task), self._label(task))
         with self._flow:
-            if self._first_computed < task.mb + 1:
+            if self._first_computed < task.mb + 1:  # (it was task.mb: only the next one can go now)
                 self._first_computed = task.mb + 1
-                for mb in [mb for mb in self._first_turns if mb <= self._first_computed]:
-                    self._first_turns.pop(mb).set()
+                turn = self._first_turns.pop(task.mb + 1, None)
+                if turn is not None:
+                    turn.set()
 
     def _check_grads_final(self) -> None:
         """This rank's gradients are final once its microbatches have all run their step

@@ -114,6 +114,14 @@ const std::vector<ConfigVar>& config_table() {
        "shape, and replayed for later microbatches of that shape, one graph pair per microbatch "
        "in flight (the host issues two launches instead of hundreds). Results equal the eager "
        "run's as long as the children's Python code takes the same path every call. 0: eager"},
+      {"SMDDP_SMP_DEFER_WEIGHT_GRADS", "0",
+       "smp pipelines with SMDDP_SMP_CUDA_GRAPHS=1: 1: a graphed run whose input needs a gradient "
+       "(every stage but the first) captures its backward as two graphs, the input's gradient "
+       "first and the weights' gradients after, and the input gradients' message leaves between "
+       "them, so the previous stage's backward starts a weight pass earlier (a 2-stage step: "
+       "3m + 2 instead of 3m + 3 units). Costs the gradients kept between the passes (about one "
+       "activation per matrix product) in the backward pool. Runs where a weight is used twice "
+       "along the input's path keep one pass. 0: one backward graph"},
       {"SMDDP_SMP_FREE_BLAS_WORKSPACES", "1",
        "smp pipelines on CUDA, eager steps: 1: a thread that gives the compute token back frees "
        "torch's cuBLAS and cuBLASLt workspaces (32 MiB each on Hopper, kept per thread), so a stage "

@@ -275,17 +275,25 @@ def test_cuda_modelparallel_smp_optimizers_train_like_one_gpu(procs, parts, name
 
 
 @needs_two_gpus
-@pytest.mark.parametrize("model, mode, pipeline", [("enc", "auto", "interleaved"), ("enc", "auto", "simple"),
-                                                   ("seq", "auto", "interleaved"), ("skip", "manual", "simple"),
-                                                   ("resid", "manual", "interleaved")])
-def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipeline):
+@pytest.mark.parametrize("model, mode, pipeline, defer", [
+    ("enc", "auto", "interleaved", False), ("enc", "auto", "simple", False), ("seq", "auto", "interleaved", False),
+    ("skip", "manual", "simple", False), ("resid", "manual", "interleaved", False),
+    ("enc", "auto", "interleaved", True), ("enc", "auto", "simple", True), ("skip", "manual", "simple", True),
+    ("resid", "manual", "interleaved", True), ("seqreuse", "manual", "interleaved", False),
+    ("seqreuse", "manual", "simple", True)])
+def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipeline, defer):
     """SMDDP_SMP_CUDA_GRAPHS=1: each stage's Sequential runs are captured after two eager runs
     and replayed, one instance per microbatch in flight; 6 steps of 4 microbatches (captures,
     then replays, in both schedules) train as one GPU does. The encoder stack puts attention
     and layer norm inside the graphs; "skip" graphs a Sequential that a peer calls remotely;
-    "resid" replays a run's backward twice per microbatch (a residual around a remote block)."""
+    "resid" replays a run's backward twice per microbatch (a residual around a remote block);
+    "seqreuse" calls one Linear twice in each stage's run (its capture once left the Linear
+    holding a detached alias of its weight instead of the parameter: silently untrained).
+    `defer`: SMDDP_SMP_DEFER_WEIGHT_GRADS=1, runs whose input needs a gradient replay their
+    weight pass after the input gradients' message is made (the encoder's second stage)."""
+    env = {"SMDDP_SMP_CUDA_GRAPHS": "1", "SMDDP_SMP_P2P_MAX_CTAS": "1", "SMDDP_SMP_DEFER_WEIGHT_GRADS": str(int(defer))}
     results = run_world(2, "smp_pipeline.py", [model, mode, pipeline, "2", "4", "6"], gpus=True, timeout=300,
-                        env={"SMDDP_SMP_CUDA_GRAPHS": "1", "SMDDP_SMP_P2P_MAX_CTAS": "1"})
+                        env=env)
     assert_all_ok(results)
     reports = [r.event("trained") for r in results]
     for report in reports:
@@ -297,6 +305,11 @@ def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipelin
         layout = report["graph_layout"]
         assert layout["grad_buffer_sets"] == layout["runs"] <= layout["instances"], layout
         assert set(report["link_ctas"].values()) == {1}, report["link_ctas"]
+    splits = [r["graphs"]["split_captures"] for r in reports]
+    if not defer:
+        assert splits == [0, 0], splits
+    elif model == "enc":  # the first stage's input needs no gradient: nothing to send earlier
+        assert splits[0] == 0 and splits[1] > 0, splits
     replays = [r["graphs"]["replays"] for r in reports]
     # The skip model's only Sequential is on rank 1, the resid model's on rank 0; the others
     # have one on each rank.
@@ -383,6 +396,75 @@ def test_cuda_stage_graphs_backward_twice_and_against_eager():
             assert_near(b, a)
     for a, b in zip(eager[2], graphed[2]):
         assert_near(b, a)
+
+
+@needs_a_gpu
+def test_cuda_stage_graphs_deferred_weight_pass():
+    """One GPU, StageGraphs driven directly with SMDDP_SMP_DEFER_WEIGHT_GRADS's split: two
+    microbatches in flight (two instances), each backward replaying its input pass at once
+    and its weight pass later (the second microbatch's backward runs the first's first; the
+    release runs the second's). Input gradients, parameters' gradients and outputs equal the
+    eager model's at every step. A run whose weight is used twice along the input's path keeps
+    one backward graph and is still exact."""
+    import torch.nn as nn
+    from smdistributed.modelparallel.torch.stage_graphs import StageGraphs
+
+    def encoder():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.TransformerEncoderLayer(64, 4, 128, batch_first=True, dropout=0.0)
+                               for _ in range(2)], nn.Linear(64, 64)).cuda()
+
+    def reused():
+        torch.manual_seed(0)
+        lin = nn.Linear(64, 64)
+        return nn.Sequential(lin, nn.GELU(), nn.LayerNorm(64), lin).cuda()
+
+    xs = [torch.randn(4, 8, 64, device="cuda") for _ in range(8)]
+    gs = [torch.randn(4, 8, 64, device="cuda") for _ in range(8)]
+
+    def drive(net, graphs):
+        steps, deferred = [], []
+        for step in range(4):  # two eager calls, two captures, then replays
+            for p in net.parameters():
+                p.grad = None
+            flight = []
+            for k in (2 * step, 2 * step + 1):
+                x = xs[k].clone().requires_grad_()
+                leases = []
+                out = net(x) if graphs is None else graphs.run(("run",), list(net), x, leases, lambda x=x: net(x))
+                flight.append((k, x, out, leases))
+            in_grads = []
+            for k, x, out, _ in flight:
+                out.backward(gs[k])
+                in_grads.append(x.grad.clone())  # queued before any deferred weight pass
+                if graphs is not None:
+                    deferred.append(graphs.weights_deferred())
+            if graphs is not None:
+                for _, _, _, leases in flight:
+                    graphs.release(leases)
+                graphs.flush_gradients()
+            steps.append(([o.detach().clone() for _, _, o, _ in flight], in_grads,
+                          [p.grad.clone() for p in net.parameters()]))
+        return steps, deferred
+
+    def assert_near(got, want, what):
+        diff = (got.double() - want.double()).norm().item()
+        assert diff <= 1e-5 * want.double().norm().item() + 1e-6, (what, diff, want.norm().item())
+
+    for make, splits in ((encoder, True), (reused, False)):
+        graphs = StageGraphs(True, split_weights=True)
+        graphs.limit = 2
+        graphed, deferred = drive(make(), graphs)
+        eager, _ = drive(make(), None)
+        assert graphs.counters["captures"] == 2 and graphs.counters["replays"] == 6, graphs.counters
+        instances = [i for e in graphs._entries.values() for i in e.instances]
+        assert all((i.bwd_w is not None) == splits for i in instances), [i.not_split for i in instances]
+        assert any(deferred) == splits, deferred
+        assert not graphs.weights_deferred()
+        for step in range(4):
+            for part, name in enumerate(("output", "input gradient", "parameter gradient")):
+                for got, want in zip(graphed[step][part], eager[step][part]):
+                    assert_near(got, want, f"{make.__name__}, step {step}: {name}")
 
 
 @needs_two_gpus

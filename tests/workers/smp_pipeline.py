@@ -224,6 +224,15 @@ def build():
         return MiniGpt()
     if MODEL == "seq":  # manual: no smp.partition context, so all of it on the default partition
         return nn.Sequential(*seq_layers())
+    if MODEL == "seqreuse":  # each stage's run calls one Linear twice (a graphed run must train it once)
+        layers = []
+        for p in range(PARTS):
+            with smp.partition(p):
+                shared = nn.Linear(WIDTH, WIDTH)
+                layers += [nn.Linear(8 if p == 0 else WIDTH, WIDTH), nn.ReLU(), shared, nn.Tanh(), shared, nn.ReLU()]
+                if p == PARTS - 1:
+                    layers.append(nn.Linear(WIDTH, 4))
+        return nn.Sequential(*layers)
     if MODEL in ("seqparts", "seqfrozen"):  # the same layers split by hand, an even run in each smp.partition
         layers = []
         for p in range(PARTS):

@@ -183,7 +183,8 @@ class PipelineRuntime:
         self.timeline = Timeline(global_ranks[pp_rank])
         if self.timeline.enabled:
             links.timeline = self.timeline
-        self.graphs = StageGraphs(config.value("SMDDP_SMP_CUDA_GRAPHS") == "1" and device.type == "cuda")
+        self.graphs = StageGraphs(config.value("SMDDP_SMP_CUDA_GRAPHS") == "1" and device.type == "cuda",
+                                  split_weights=config.value("SMDDP_SMP_DEFER_WEIGHT_GRADS") == "1")
         self._frees_blas_workspaces = (device.type == "cuda"
                                        and config.value("SMDDP_SMP_FREE_BLAS_WORKSPACES") == "1")
         self.remote_module_ids: set = set()  # id() of every module other ranks own (set by the model)
@@ -590,9 +591,14 @@ class PipelineRuntime:
         key = (self._step, current_task().mb)
         held = self.held_answers.claim(key)
         merged = False
+        if held is not None and held.made is not None:
+            # (The copies were made on another thread, a forward ago.) Waited for before the
+            # backward, so that the backward's point, which the merged message may be sent
+            # from (_frame_backward), comes after them.
+            cuda_streams.current(self.device.index).wait_event(held.made)
         try:
             try:
-                dst, msg = self._frame_backward(call_id, seeds, seed_grads)
+                dst, msg, made = self._frame_backward(call_id, seeds, seed_grads)
             except BaseException:
                 if held is not None and self._error is None:  # the root still waits for it
                     try:
@@ -605,16 +611,14 @@ class PipelineRuntime:
             # (Always so, as _holds_answer holds only answers whose gradients go to the root;
             # otherwise the answer would leave first, alone.)
             if held is not None and dst == held.dst and msg.kind == "bwd_done":
-                if held.made is not None:  # (the copies were made on another thread)
-                    cuda_streams.current(self.device.index).wait_event(held.made)
                 msg = Message("fwd_bwd_done", {"id": msg.fields["id"], "answer": held.meta},
                               (held.tensors, msg.body))
-                self._send_in_turn(dst, msg)
+                self._send_in_turn(dst, msg, made)
                 merged = True
             else:
                 if held is not None:
                     self._without_token(lambda: self._send_held_alone(held))
-                self._send_in_turn(dst, msg)
+                self._send_in_turn(dst, msg, made)
         finally:
             if held is not None:
                 self.held_answers.sent(key, held, merged)
@@ -779,9 +783,10 @@ class PipelineRuntime:
             local = self._local_runs[run_id] = (view, not any(id(m) in self.remote_module_ids for m in view.subs))
         return local[1] and not view.hooked_or_checkpointed()
 
-    def _send_in_turn(self, dst: int, msg: Message) -> List[torch.Tensor]:
+    def _send_in_turn(self, dst: int, msg: Message, made=None) -> List[torch.Tensor]:
         """Sends a message whose order the peer sees (it serves each kind in arrival order): the
-        turn is taken while this task holds the token, the send made without it."""
+        turn is taken while this task holds the token, the send made without it. `made`: the
+        CUDA point its tensors were final at, when taken earlier (else now)."""
         turn = self.links.reserve(dst, msg.kind)
         used = False
 
@@ -790,7 +795,8 @@ class PipelineRuntime:
             used = True  # links.send uses the turn up, whatever happens
             return self.links.send(dst, msg, turn, made)
         try:
-            made = self.links.made_at()
+            if made is None:
+                made = self.links.made_at()
             return self._without_token(send)
         finally:
             if not used:  # failed before the send: later sends to that peer must not wait for this turn
@@ -1117,6 +1123,7 @@ class PipelineRuntime:
         turn = None
         hold = False  # the answer waits for this microbatch's input gradients (held_answers.py)
         local = None
+        made = None  # the CUDA point the answer's tensors are final at
         pass_turn = None if ticket is None else (lambda: self._arrivals.passed(ticket))
         try:
             take(tensors, ready)
@@ -1146,9 +1153,10 @@ class PipelineRuntime:
                         if not hold:
                             turn = self.links.reserve(dst, kind)
                     else:
-                        dst, reply = self._serve_backward(f, msg.body)
+                        dst, reply, made = self._serve_backward(f, msg.body)
                         (meta, out), local, kind = encode(reply)[:2], None, reply.kind
-                    made = self.links.made_at()
+                    if made is None:  # (a backward with deferred weight passes took it already)
+                        made = self.links.made_at()
                 finally:
                     self._token.release()
             if local is not None:
@@ -1307,28 +1315,40 @@ class PipelineRuntime:
         self._window_done(frame.mb, counted=frame.windowed, backward_ran=True)
         self._check_grads_final()
 
-    def _serve_backward(self, f, grads) -> Tuple[int, Message]:
+    def _serve_backward(self, f, grads) -> Tuple[int, Message, Any]:
         answer = self._frame_backward(f["id"], None, list(grads))
         self._check_grads_final()
         return answer
 
-    def _frame_backward(self, call_id, seeds, seed_grads) -> Tuple[int, Message]:
+    def _frame_backward(self, call_id, seeds, seed_grads) -> Tuple[int, Message, Any]:
         """The backward of a call this rank served, from `seeds` (None: the call's outputs);
-        returns where the gradients of the call's inputs go and the message that carries them:
-        the caller's answer, or the previous hop's backward request for a chain's later hop.
-        Counted as serving a backward meanwhile, so this rank's gradients are not taken for
-        final."""
+        returns where the gradients of the call's inputs go, the message that carries them (the
+        caller's answer, or the previous hop's backward request for a chain's later hop), and
+        the CUDA point its tensors were final at when graphed weight passes were deferred
+        (weight_split.py; else None: the sender takes the point). Counted as serving a backward
+        meanwhile, so this rank's gradients are not taken for final."""
         with self._lock:
             frame = self._frames.pop(call_id)
             self._serving_backward += 1
         try:
             self._backward(frame.calls, frame.outputs if seeds is None else seeds, seed_grads)
+            dst, msg = self._frame_answer(call_id, frame)
+            made = None
+            if self.graphs.weights_deferred():
+                # The message leaves from here; the weight passes compute while it crosses,
+                # before the release lets another microbatch's forward overwrite what they read.
+                made = self.links.made_at()
+                self.graphs.run_deferred_weights()
         finally:
             self.graphs.release(frame.leases)
             with self._lock:
                 self._serving_backward -= 1
             if self._windowed():
                 self._window_done(frame.mb, counted=frame.windowed, backward_ran=True)
+        return dst, msg, made
+
+    @staticmethod
+    def _frame_answer(call_id, frame) -> Tuple[int, Message]:
         if frame.parent is None or not frame.inputs:
             # The first hop, or a hop whose inputs need no gradient (so the hops before it kept
             # no frame): the caller's answer.

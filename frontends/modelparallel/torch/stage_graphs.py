@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -61,6 +61,7 @@ import torch.nn as nn
 
 from . import cuda_streams
 from .run_view import RunView
+from .weight_split import NotSplittable, SplitPlan, input_pass, weight_pass
 
 WARMUP_CALLS = 2  # eager runs of a shape before its first capture
 SHAPES_PER_RUN = 2  # graphed shapes of one run (a short last batch is one more); others run eagerly
@@ -77,9 +78,11 @@ class _Instance:
 
     def __init__(self, modules: Sequence[nn.Module], x: torch.Tensor, stream: torch.cuda.Stream,
                  autocast_dtype: Optional[torch.dtype], backward_pool, param_grad_out: List[torch.Tensor],
-                 accumulator: "_StepAccumulator"):
+                 accumulator: "_StepAccumulator", split_weights: bool = False):
         self.busy = False
-        run = nn.Sequential(*modules)  # a view of the children for functional_call; owns nothing new
+        self.bwd_w: Optional[torch.cuda.CUDAGraph] = None  # the deferred weight pass (weight_split.py)
+        self.not_split = ""  # why a backward asked to split was not
+        run = nn.Sequential(*modules)  # a view of the children; owns nothing new
         named = _named_params_needing_grad(modules)
         if not named:
             raise NotGraphable("it has no parameters that need a gradient")
@@ -100,25 +103,44 @@ class _Instance:
             with torch.cuda.stream(stream):
                 _warm_run(run, aliases, x, autocast_dtype)
                 with _Capture(self.fwd, pool, x.device.index), _autocast_without_cache(autocast_dtype):
-                    out = torch.func.functional_call(run, aliases, (self.static_in,), strict=False, tie_weights=True)
+                    with _on_aliases(run, aliases):
+                        out = run(self.static_in)
                 self.static_out = out.detach()
                 self.static_grad_out = torch.empty_like(out)
-                wrt = ([self.static_in] if x.requires_grad else []) + list(aliases.values())
+                plan = None
+                if split_weights and x.requires_grad:
+                    try:
+                        plan = SplitPlan(out, self.static_in, list(aliases.values()))
+                    except NotSplittable as e:
+                        self.not_split = str(e)
                 # retain_graph: the saved activations stay allocated, so a second replay (a
                 # skip connection runs a node's backward twice, in two segments) reads them
                 # intact. The backward's temporaries go to the rank's shared backward pool.
                 # The parameters' gradients are added, inside the graph, to the run's buffers
                 # (one multi-tensor kernel); the graph's own are freed within the capture, so
                 # the pool reuses them.
-                with _Capture(self.bwd, backward_pool, x.device.index):
-                    grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True,
-                                                retain_graph=True)
-                    param_grads = list(grads[1:] if x.requires_grad else grads)
-                    used = [i for i, g in enumerate(param_grads) if g is not None]
-                    if used:
-                        torch._foreach_add_([param_grad_out[i] for i in used], [param_grads[i] for i in used])
-                    self.static_grad_in = grads[0] if x.requires_grad else None
-                    del grads, param_grads
+                if plan is None:
+                    wrt = ([self.static_in] if x.requires_grad else []) + list(aliases.values())
+                    with _Capture(self.bwd, backward_pool, x.device.index):
+                        grads = torch.autograd.grad(out, wrt, self.static_grad_out, allow_unused=True,
+                                                    retain_graph=True)
+                        param_grads = list(grads[1:] if x.requires_grad else grads)
+                        used = self._add_to(param_grad_out, param_grads)
+                        self.static_grad_in = grads[0] if x.requires_grad else None
+                        del grads, param_grads
+                else:
+                    # Two graphs in the shared backward pool, always replayed back to back on
+                    # its stream (the accumulator runs a deferred weight pass before any other
+                    # backward replay): the gradients the first keeps for the second stay
+                    # allocated across both captures, so no other capture reuses their memory.
+                    with _Capture(self.bwd, backward_pool, x.device.index):
+                        self.static_grad_in, kept = input_pass(plan, out, self.static_in, self.static_grad_out)
+                    self.bwd_w = torch.cuda.CUDAGraph()
+                    with _Capture(self.bwd_w, backward_pool, x.device.index):
+                        param_grads = weight_pass(plan, kept, list(aliases.values()))
+                        used = self._add_to(param_grad_out, param_grads)
+                        del param_grads, kept
+                    del plan
                 del out
         finally:  # the warm run read `x` there, and the caller's stream goes on with it
             torch.cuda.current_stream().wait_stream(stream)
@@ -126,6 +148,15 @@ class _Instance:
         self.param_grad_out = param_grad_out  # the run's shared set (layout() counts the sets)
         self.used = used  # the parameters whose gradients the graph adds to param_grad_out
         self.used_set = frozenset(used)
+
+    @staticmethod
+    def _add_to(buffers: List[torch.Tensor], param_grads: List[Optional[torch.Tensor]]) -> List[int]:
+        """Inside a capture: adds the parameters' gradients to the run's buffers (one
+        multi-tensor kernel); returns the indices of those that got one."""
+        used = [i for i, g in enumerate(param_grads) if g is not None]
+        if used:
+            torch._foreach_add_([buffers[i] for i in used], [param_grads[i] for i in used])
+        return used
 
 
 def _named_params_needing_grad(modules: Sequence[nn.Module]):
@@ -162,6 +193,27 @@ class _StepAccumulator:
     def __init__(self):
         self.lock = threading.Lock()
         self._pending: Dict[int, tuple] = {}  # id(buffers) -> (params, buffers, used indices)
+        # Instances whose input pass replayed and whose weight pass has not (weight_split.py).
+        # Their kept gradients are in the shared backward pool, so each weight pass replays
+        # before any other backward replay, the flush, and the instance's release (after which
+        # another microbatch's forward would overwrite the activations it reads).
+        self.deferred: List["_Instance"] = []
+
+    def run_deferred(self) -> None:
+        with self.lock:
+            self.run_deferred_locked()
+
+    def run_deferred_locked(self) -> None:
+        """The deferred weight passes, in the order of their input passes, on the stream where
+        every backward replays (the device's default one)."""
+        if not self.deferred:
+            return
+        device = self.deferred[0].static_in.device.index
+        shared = torch.cuda.default_stream(device)
+        with cuda_streams.running_on(shared) if cuda_streams.current(device) != shared else nullcontext():
+            for inst in self.deferred:
+                inst.bwd_w.replay()
+        self.deferred.clear()
 
     def begin(self, inst: "_Instance") -> None:
         """Before a backward replay (lock held): the run's first replay this step zeroes its buffers."""
@@ -181,6 +233,7 @@ class _StepAccumulator:
         stream where the replays ran. Forgotten only once their kernels are launched: a flush
         that raises (out of memory, say) fails the step and leaves them to discard()."""
         with self.lock:
+            self.run_deferred_locked()
             pending = list(self._pending.values())
             if not pending:
                 return
@@ -208,6 +261,7 @@ class _StepAccumulator:
     def discard(self) -> None:
         with self.lock:
             self._pending = {}
+            self.deferred.clear()
 
 
 class CaptureFailed(RuntimeError):
@@ -257,6 +311,30 @@ def _autocast_without_cache(dtype: Optional[torch.dtype]):
     return torch.autocast("cuda", dtype=dtype, cache_enabled=False, enabled=dtype is not None)
 
 
+@contextmanager
+def _on_aliases(run: nn.Module, aliases: Dict[str, torch.Tensor]):
+    """Runs `run` with each parameter that has an alias (by name, as
+    _named_params_needing_grad names them) replaced by it, everywhere the parameter is
+    registered, and puts the very same Parameter objects back after. (torch.func.functional_call
+    did this until session 35, but with a module listed twice in the run, the same Linear
+    called at two places, it saved the second name's "original" after swapping the first, and
+    left the alias registered: the module then trained a detached tensor, not its parameter.)"""
+    named = dict(run.named_parameters())
+    alias_of = {id(named[n]): a for n, a in aliases.items()}
+    swapped = []
+    for module in run.modules():  # each module once, however often the run lists it
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in alias_of:
+                swapped.append((module, name, p))
+    try:
+        for module, name, p in swapped:
+            module._parameters[name] = alias_of[id(p)]
+        yield
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
+
+
 def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional[torch.dtype]) -> None:
     """One uncaptured forward and backward in this thread on the capture stream, just before
     the capture. cuBLAS and cuDNN make their handles, workspaces and attention plans per
@@ -270,7 +348,8 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
     try:
         probe = x.detach().clone().requires_grad_(x.requires_grad)
         with _autocast_without_cache(autocast_dtype):
-            out = torch.func.functional_call(run, aliases, (probe,), strict=False, tie_weights=True)
+            with _on_aliases(run, aliases):
+                out = run(probe)
         if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
             raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
         wrt = ([probe] if x.requires_grad else []) + list(aliases.values())
@@ -285,6 +364,13 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
 class _GraphedRun(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inst: _Instance, x: torch.Tensor, _grad_anchor: nn.Parameter):
+        if inst.bwd_w is not None:
+            # Its last weight pass ran on the default stream after this caller's stream last
+            # waited for it (a backward under another stream): the replay overwrites what it read.
+            device = x.device.index
+            caller, shared = cuda_streams.current(device), torch.cuda.default_stream(device)
+            if caller != shared:
+                caller.wait_stream(shared)
         inst.static_in.copy_(x)
         inst.fwd.replay()
         ctx.inst = inst
@@ -305,10 +391,15 @@ class _GraphedRun(torch.autograd.Function):
         if elsewhere:
             shared.wait_stream(caller)
         with inst.accumulator.lock, cuda_streams.running_on(shared) if elsewhere else nullcontext():
+            inst.accumulator.run_deferred_locked()  # (they read the shared pool this replay reuses)
             inst.accumulator.begin(inst)
             inst.static_grad_out.copy_(grad_out)
             inst.bwd.replay()
             grad_in = inst.static_grad_in.clone() if inst.static_grad_in is not None else None
+            if inst.bwd_w is not None:
+                # Its weight pass waits until the caller has taken the input gradients' point
+                # for the message that carries them (StageGraphs.run_deferred_weights).
+                inst.accumulator.deferred.append(inst)
         if elsewhere:
             caller.wait_stream(shared)
             if grad_in is not None:  # made on the default stream, used on the caller's
@@ -326,10 +417,13 @@ class _Entry:
 class StageGraphs:
     """The graphed runs of one rank's stage; the runtime sets `limit` at each step."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, split_weights: bool = False):
         self.enabled = enabled and torch.cuda.is_available()
+        # Runs whose input needs a gradient capture their backward as two passes, the weights'
+        # deferred (weight_split.py; SMDDP_SMP_DEFER_WEIGHT_GRADS).
+        self.split_weights = split_weights
         self.limit = 1
-        self.counters = {"replays": 0, "captures": 0, "eager": 0, "no_free_instance": 0}
+        self.counters = {"replays": 0, "captures": 0, "eager": 0, "no_free_instance": 0, "split_captures": 0}
         self._lock = threading.Lock()
         self._entries: Dict[tuple, _Entry] = {}
         self._refused: Dict[tuple, str] = {}  # run -> why it cannot be graphed
@@ -340,6 +434,7 @@ class StageGraphs:
         self._accumulator = _StepAccumulator()  # the step's graphed gradients, and the replays' lock
         self._captures_seen = 0  # captures when the cache was last given back (after_step)
         self._tls = threading.local()
+        self._not_split: set = set()  # runs whose backward could not be split (logged once)
 
     def inside_capture(self) -> bool:
         """True in the thread that is warming or capturing a run: a Sequential nested in it
@@ -365,7 +460,20 @@ class StageGraphs:
         # the run's buffers with the others.
         return _GraphedRun.apply(inst, x, inst.params[0])
 
+    def weights_deferred(self) -> bool:
+        """Whether a weight pass waits (run_deferred_weights): the caller takes its point for
+        the input gradients' message first."""
+        return bool(self._accumulator.deferred)
+
+    def run_deferred_weights(self) -> None:
+        """Replays the weight passes deferred by this rank's input passes. The runtime calls it
+        right after taking the CUDA point its message of input gradients is sent from, so the
+        send waits for the input passes only, and the weight passes compute while it crosses."""
+        self._accumulator.run_deferred()
+
     def release(self, leases: List[_Instance]) -> None:
+        if any(inst.bwd_w is not None for inst in leases):
+            self._accumulator.run_deferred()  # (the next lease's forward overwrites what they read)
         with self._lock:
             for inst in leases:
                 inst.busy = False
@@ -491,6 +599,7 @@ class StageGraphs:
         with self._lock:
             entry.instances.append(inst)
             self.counters["captures"] += 1
+            self.counters["split_captures"] += inst.bwd_w is not None
         return inst
 
     def _capture(self, run_id, modules, x, autocast_dtype) -> _Instance:
@@ -505,10 +614,18 @@ class StageGraphs:
         try:
             # The shared gradient buffers are made outside the capture (the general pool).
             params = [p for _, p in _named_params_needing_grad(modules)]
-            return _Instance(modules, x, self._stream, autocast_dtype, self._backward_pool,
-                             self._grad_buffers.get(run_id, params), self._accumulator)
+            inst = _Instance(modules, x, self._stream, autocast_dtype, self._backward_pool,
+                             self._grad_buffers.get(run_id, params), self._accumulator, self.split_weights)
         finally:
             self._tls.depth -= 1
+        if inst.not_split:
+            with self._lock:
+                first = run_id not in self._not_split
+                self._not_split.add(run_id)
+            if first:
+                log.warning("smp: CUDA graphs: the backward of %s runs in one pass (its weights' gradients are "
+                            "not deferred): %s", run_id, inst.not_split)
+        return inst
 
     def _refuse(self, run_id, why: str) -> None:
         with self._lock:

@@ -1,0 +1,33 @@
+"""The parts of stage_graphs.py that need no GPU, in process: a capture runs the stage on
+aliases of its parameters and must leave the very same Parameter objects registered after,
+also when the run lists one module twice (the CUDA side is in tests/test_cuda.py)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+
+from smdistributed.modelparallel.torch.stage_graphs import _named_params_needing_grad, _on_aliases  # noqa: E402
+
+
+def test_a_run_on_aliases_puts_back_the_parameters_of_a_module_listed_twice():
+    torch.manual_seed(0)
+    lin, tied = nn.Linear(4, 4), nn.Linear(4, 4)
+    tied.weight = lin.weight  # the same Parameter registered in two modules
+    modules = [lin, nn.ReLU(), tied, nn.LayerNorm(4), lin]
+    before = {(id(m), n): p for m in nn.Sequential(*modules).modules() for n, p in m._parameters.items()}
+    named = _named_params_needing_grad(modules)
+    aliases = {n: p.detach().requires_grad_() for n, p in named}
+    run = nn.Sequential(*modules)
+    x = torch.randn(3, 4)
+    with _on_aliases(run, aliases):
+        out = run(x)
+        assert lin.weight is aliases["0.weight"] and tied.weight is aliases["0.weight"]
+    after = {(id(m), n): p for m in run.modules() for n, p in m._parameters.items()}
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before), "a parameter was not put back"
+    assert all(type(p) is nn.Parameter for p in run.parameters())
+    # The gradients went to the aliases, as the capture needs; the same as the plain module's.
+    out.sum().backward()
+    assert all(p.grad is None for p in run.parameters())
+    run(x).sum().backward()
+    for name, p in named:
+        torch.testing.assert_close(aliases[name].grad, p.grad, msg=name)

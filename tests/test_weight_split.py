@@ -12,7 +12,7 @@ nn = torch.nn
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from smdistributed.modelparallel.torch.weight_split import (  # noqa: E402
-    NotSplittable, SplitPlan, input_pass, weight_pass)
+    NotSplittable, SplitPlan, check, input_pass, weight_pass)
 
 
 class _BranchesShareALinear(nn.Module):
@@ -41,6 +41,44 @@ class _SideParameter(nn.Module):
         return self.lin(x) + torch.sin(self.offset) + self.frozen
 
 
+class _HookedIntermediate(nn.Module):
+    """A hook on an intermediate tensor that doubles its gradient: the weight pass feeds the
+    kept gradient into the same node, where the hook would run a second time."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.register_hook(lambda g: g * 2)
+        return self.b(torch.relu(h))
+
+
+class _ScalesGradInPlace(torch.autograd.Function):
+    """x @ w whose backward scales its incoming gradient in place (some custom Functions do)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g.mul_(2)
+        return g @ w.t(), x.t() @ g
+
+
+class _CustomMatmul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return _ScalesGradInPlace.apply(x, self.w)
+
+
 def _models():
     torch.manual_seed(0)
     lin = nn.Linear(8, 8)
@@ -52,6 +90,8 @@ def _models():
         "branches-share-a-linear": (nn.Sequential(_BranchesShareALinear(), nn.Linear(8, 3)), (4, 8)),
         "side-parameter": (nn.Sequential(nn.LayerNorm(8), _SideParameter()), (4, 8)),
         "reused-layer": (nn.Sequential(lin, nn.ReLU(), lin), (4, 8)),
+        "hooked-intermediate": (nn.Sequential(nn.Linear(8, 8), _HookedIntermediate()), (4, 8)),
+        "custom-function": (nn.Sequential(nn.Linear(8, 8), _CustomMatmul(), nn.Linear(8, 8)), (4, 8)),
     }
 
 
@@ -65,7 +105,8 @@ def _graph(model, shape):
     return out, x, list(aliases.values()), torch.randn_like(out)
 
 
-@pytest.mark.parametrize("name", ["encoder", "mlp-batchnorm-dropout", "branches-share-a-linear", "side-parameter"])
+@pytest.mark.parametrize("name", ["encoder", "mlp-batchnorm-dropout", "branches-share-a-linear", "side-parameter",
+                                  "hooked-intermediate"])
 def test_split_backward_equals_one_backward(name):
     model, shape = _models()[name]
     out, x, params, grad_out = _graph(model, shape)
@@ -80,6 +121,7 @@ def test_split_backward_equals_one_backward(name):
         assert (g is None) == (w is None), f"parameter {i}: one pass gives {w is not None}, split gives {g is not None}"
         if w is not None:
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7, msg=f"parameter {i} ({tuple(w.shape)})")
+    check(out, x, params, grad_out)  # what stage_graphs runs before a capture: no objection
 
 
 def test_a_second_split_backward_of_one_forward_adds_up():
@@ -132,6 +174,17 @@ def test_a_weight_used_twice_along_the_input_path_is_refused():
     out, x, params, _ = _graph(model, shape)
     with pytest.raises(NotSplittable, match="reached twice along the input's path"):
         SplitPlan(out, x, params)
+
+
+def test_a_custom_function_on_the_input_path_is_refused():
+    """Its backward may act on its incoming gradient (here: scales it in place, which would
+    scale a kept gradient too) or do more than compute gradients; the split would run it twice."""
+    model, shape = _models()["custom-function"]
+    out, x, params, grad_out = _graph(model, shape)
+    with pytest.raises(NotSplittable, match="custom autograd.Function"):
+        SplitPlan(out, x, params)
+    with pytest.raises(NotSplittable, match="custom autograd.Function"):
+        check(out, x, params, grad_out)
 
 
 def test_an_output_that_does_not_depend_on_the_input_is_refused():

@@ -61,6 +61,7 @@ import torch.nn as nn
 
 from . import cuda_streams
 from .run_view import RunView
+from . import weight_split
 from .weight_split import NotSplittable, SplitPlan, input_pass, weight_pass
 
 WARMUP_CALLS = 2  # eager runs of a shape before its first capture
@@ -101,14 +102,15 @@ class _Instance:
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         try:
             with torch.cuda.stream(stream):
-                _warm_run(run, aliases, x, autocast_dtype)
+                split = split_weights and x.requires_grad
+                self.not_split = _warm_run(run, aliases, x, autocast_dtype, check_split=split)
                 with _Capture(self.fwd, pool, x.device.index), _autocast_without_cache(autocast_dtype):
                     with _on_aliases(run, aliases):
                         out = run(self.static_in)
                 self.static_out = out.detach()
                 self.static_grad_out = torch.empty_like(out)
                 plan = None
-                if split_weights and x.requires_grad:
+                if split and not self.not_split:
                     try:
                         plan = SplitPlan(out, self.static_in, list(aliases.values()))
                     except NotSplittable as e:
@@ -129,10 +131,11 @@ class _Instance:
                         self.static_grad_in = grads[0] if x.requires_grad else None
                         del grads, param_grads
                 else:
-                    # Two graphs in the shared backward pool, always replayed back to back on
-                    # its stream (the accumulator runs a deferred weight pass before any other
-                    # backward replay): the gradients the first keeps for the second stay
-                    # allocated across both captures, so no other capture reuses their memory.
+                    # Two graphs in the shared backward pool, with no other backward replay
+                    # between them on its stream (the accumulator runs a deferred weight pass
+                    # before any other backward replay): the gradients the first keeps for the
+                    # second stay allocated across both captures, so no other capture reuses
+                    # their memory.
                     with _Capture(self.bwd, backward_pool, x.device.index):
                         self.static_grad_in, kept = input_pass(plan, out, self.static_in, self.static_grad_out)
                     self.bwd_w = torch.cuda.CUDAGraph()
@@ -335,13 +338,16 @@ def _on_aliases(run: nn.Module, aliases: Dict[str, torch.Tensor]):
             module._parameters[name] = p
 
 
-def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional[torch.dtype]) -> None:
+def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional[torch.dtype],
+              check_split: bool = False) -> str:
     """One uncaptured forward and backward in this thread on the capture stream, just before
     the capture. cuBLAS and cuDNN make their handles, workspaces and attention plans per
     thread (and per stream) at first use, with allocations that CUDA refuses inside a capture
     (measured: cuDNN's "DEVICE_ALLOCATION_FAILED" when another thread had run the eager
     microbatches). Its effects are undone: buffers and the CUDA RNG state are restored, and
-    its gradients go nowhere (autograd.grad, not .grad)."""
+    its gradients go nowhere (autograd.grad, not .grad). With `check_split`, its backward is
+    the split one checked against one backward (weight_split.check); returns why the split
+    cannot be used ("" when it can, or was not asked for)."""
     buffers = list(run.buffers())
     saved = [b.clone() for b in buffers]
     rng = torch.cuda.get_rng_state(x.device)
@@ -352,8 +358,15 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
                 out = run(probe)
         if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
             raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
+        if check_split:
+            try:
+                weight_split.check(out, probe, list(aliases.values()), torch.randn_like(out))
+            except NotSplittable as e:
+                return str(e)
+            return ""
         wrt = ([probe] if x.requires_grad else []) + list(aliases.values())
         torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)
+        return ""
     finally:
         with torch.no_grad():
             for b, v in zip(buffers, saved):

@@ -20,14 +20,23 @@ CUDA graph of its own):
 - The second pass runs each entry point again from that kept gradient, asking only for its
   parameters: `autograd.grad(GradientEdge(node, k), params)`. The edges that lead back into the
   input's path are not needed for those parameters, so nothing of the first pass is redone.
-That is exact only when each entry point's parameters are not also reachable through the
-input's path below it (a module whose weight is used twice on that path, a tied weight): the
-second pass would then flow down the input's path again and count that gradient twice. Such a
-backward is not split (`NotSplittable`) and runs in one pass as before.
+The second pass gives each entry point the gradient the first kept, through a pre-hook of its
+own that runs after the tensors' hooks: a hook on an intermediate tensor (`h.register_hook`)
+then acts once, as in one backward, not twice.
+
+What is not split (`NotSplittable`; the run keeps one backward pass):
+- an entry point whose parameters are also reachable through the input's path below it (a
+  module whose weight is used twice on that path, a tied weight): the second pass would flow
+  down the input's path again and count that gradient twice;
+- a custom `autograd.Function` on the input's path: its backward may change its incoming
+  gradient in place (which may be a kept one) or do something besides computing gradients,
+  and the second pass would run an entry point of its kind again;
+- a backward whose split does not reproduce one backward's gradients when checked once,
+  eagerly, before the capture (stage_graphs.py's warm run; `check`).
 
 Cost: the kept gradients (about one activation-sized tensor per matrix product) live from the
-first pass to the second; both passes are replayed back to back, so they take memory in the
-rank's shared backward pool, not per microbatch.
+first pass to the second. No other backward replays in between (stage_graphs.py), so they take
+memory in the rank's shared backward pool, not per microbatch.
 """
 from __future__ import annotations
 
@@ -70,6 +79,10 @@ class SplitPlan:
             below[node] = frozenset(own.union(*(below[c] for c in kids)))
         if not on_path[root]:
             raise NotSplittable("the output does not depend on the input")
+        python_node = torch.autograd.function.BackwardCFunction
+        custom = next((n for n in order if on_path[n] and isinstance(n, python_node)), None)
+        if custom is not None:
+            raise NotSplittable(f"a custom autograd.Function ({custom.name()}) is on the input's path")
         self.entries: List[Tuple[Node, Tuple[int, ...]]] = []
         for node in order:
             if not on_path[node] or node is x_acc:
@@ -134,11 +147,38 @@ def weight_pass(plan: SplitPlan, kept: Dict[Node, tuple],
         edges = [(GradientEdge(node, k), g) for k, g in enumerate(received) if g is not None]
         if not edges:
             continue
-        found = torch.autograd.grad([e for e, _ in edges], [params[i] for i in indices], [g for _, g in edges],
-                                    retain_graph=True, allow_unused=True)
+        # The kept gradients already went through the hooks of the node's output tensors,
+        # which run again here: this pre-hook, run after them, puts the kept ones back.
+        handle = node.register_prehook(lambda _, received=received: received)
+        try:
+            found = torch.autograd.grad([e for e, _ in edges], [params[i] for i in indices], [g for _, g in edges],
+                                        retain_graph=True, allow_unused=True)
+        finally:
+            handle.remove()
         for i, g in zip(indices, found):
             if g is not None:
                 # A parameter used on two parallel branches of the input's path gets a share
                 # from each branch's entry point (one below the other was refused by the plan).
                 grads[i] = g if grads[i] is None else grads[i] + g
     return grads
+
+
+def check(out: torch.Tensor, x: torch.Tensor, params: Sequence[torch.Tensor], grad_out: torch.Tensor) -> None:
+    """Raises NotSplittable unless the split backward of `out` gives what one backward gives,
+    `grad_out` in (to 1% of each gradient's norm: the same kernels, summed in another order
+    where a parameter gets shares from two branches; what it guards against, a hook or a
+    backward the split runs twice, is off by far more). Eager, on a forward of its own."""
+    whole = torch.autograd.grad(out, [x] + list(params), grad_out, retain_graph=True, allow_unused=True)
+    plan = SplitPlan(out, x, params)
+    try:
+        grad_in, kept = input_pass(plan, out, x, grad_out)
+        split = [grad_in] + weight_pass(plan, kept, params)
+    except RuntimeError as e:  # (a node that cannot run twice, say)
+        raise NotSplittable(f"the split backward failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    for i, (a, b) in enumerate(zip(split, whole)):
+        what = "the input's gradient" if i == 0 else f"parameter {i - 1}'s gradient"
+        if (a is None) != (b is None):
+            raise NotSplittable(f"{what} is {'missing' if a is None else 'extra'} in the split backward")
+        if a is not None and (a.float() - b.float()).norm() > 0.01 * b.float().norm() + 1e-6:
+            raise NotSplittable(f"the split backward's {what} differs from one backward's (a hook or a backward "
+                                "that acts on its incoming gradient)")

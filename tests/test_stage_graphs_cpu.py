@@ -31,3 +31,25 @@ def test_a_run_on_aliases_puts_back_the_parameters_of_a_module_listed_twice():
     run(x).sum().backward()
     for name, p in named:
         torch.testing.assert_close(aliases[name].grad, p.grad, msg=name)
+
+
+def test_a_hook_on_a_parameter_gradient_keeps_the_run_eager():
+    """A graphed backward adds the gradients to buffers, not through the parameters' own
+    accumulation, so a hook on a parameter's gradient would not run: the runtime's check
+    (RunView.hooked_or_checkpointed, at each call) must see it, and see it gone once removed."""
+    from smdistributed.modelparallel.torch.run_view import RunView
+
+    modules = [nn.Linear(4, 4), nn.ReLU(), nn.Sequential(nn.Linear(4, 4))]
+    view = RunView(modules)
+    assert not view.hooked_or_checkpointed()
+    weight = modules[2][0].weight
+    handle = weight.register_hook(lambda g: g * 0.5)
+    assert view.hooked_or_checkpointed()
+    handle.remove()
+    assert not view.hooked_or_checkpointed()
+    handle = modules[0].bias.register_post_accumulate_grad_hook(lambda p: None)
+    assert view.hooked_or_checkpointed()
+    handle.remove()
+    assert not view.hooked_or_checkpointed()
+    handle = modules[1].register_forward_hook(lambda m, i, o: o)  # a module hook, as before
+    assert view.hooked_or_checkpointed()

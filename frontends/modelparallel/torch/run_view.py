@@ -35,6 +35,9 @@ _children = operator.itemgetter("_modules")
 _params = operator.itemgetter("_parameters")
 _buffers = operator.itemgetter("_buffers")
 _hooks = operator.itemgetter("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# A parameter's own hooks (Tensor.register_hook, register_post_accumulate_grad_hook): None, or a
+# dict that is empty once they were removed.
+_param_hooks = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
 
 
 def _walk(modules: Sequence[nn.Module]) -> List[nn.Module]:
@@ -75,7 +78,11 @@ class RunView:
                 tuple(map(_requires_grad, params)), tuple(map(_data_ptr, buffers)))
 
     def hooked_or_checkpointed(self) -> bool:
-        """Whether a submodule has a forward or backward hook, or is marked for activation
-        checkpointing (a view that is current)."""
+        """Whether a submodule has a forward or backward hook, a parameter has a hook on its
+        gradient (a graphed backward adds the gradients to buffers, not through the parameter's
+        accumulation, so the hook would silently not run), or a submodule is marked for
+        activation checkpointing (a view that is current)."""
+        params = filter(_present, _chain(map(dict.values, map(_params, self._own))))
         return (any(_chain(map(_hooks, self._own)))
+                or any(_chain(map(_param_hooks, params)))
                 or next(filter(_present, map(_checkpoint_mark, self._own)), None) is not None)

@@ -37,8 +37,8 @@ parameters on the host each time. Replays and the flush hold one lock and run on
 (Measured on 2 x H200, session 25: letting autograd add each gradient in place inside the
 graph instead, as eager accumulation does, saved 0.1-0.27 GB reserved per stage, since the
 backward pool no longer held a whole set of gradients at once, but its hundred small kernels
-a replay made pp=2 at m = 8, 2 active, 7% slower.) Hooks registered on a parameter's gradient
-accumulation do not run for a graphed run.
+a replay made pp=2 at m = 8, 2 active, 7% slower.) A graph would skip hooks on a parameter's
+gradient, so a run with one runs eagerly (run_view.py, checked by the runtime at each call).
 
 Results equal the eager run's (the same kernels on the same data), up to the rounding of the
 order in which microbatches' gradients are summed (the graphed ones first, then into `.grad`);

@@ -467,6 +467,78 @@ def test_cuda_stage_graphs_deferred_weight_pass():
                     assert_near(got, want, f"{make.__name__}, step {step}: {name}")
 
 
+@needs_a_gpu
+def test_cuda_stage_graphs_follow_what_eager_would_read():
+    """One GPU, StageGraphs driven directly against the same model run eagerly, call by call:
+    a tensor kept as a module attribute replaced (a cache rebuilt) and a Python scalar
+    changed between calls are seen (the run is captured again, with the new values); a run
+    that changes its attribute at every call ends eager; a parameter kept in a plain list
+    (not registered) keeps the run eager, and its gradient is the eager one."""
+    import torch.nn as nn
+    from smdistributed.modelparallel.torch.stage_graphs import MAX_ATTRIBUTE_RESTARTS, StageGraphs
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.table = torch.ones(16)  # a plain attribute, as rotary caches are
+            self.alpha = 1.0
+            self.listed = [nn.Parameter(torch.ones(16))]
+
+        def forward(self, x):
+            return self.lin(x) * self.table * self.alpha * (self.listed[0] if self.use_listed else 1)
+
+    def make(use_listed):
+        torch.manual_seed(0)
+        net = nn.Sequential(Scaled(), nn.GELU(), nn.Linear(16, 16)).cuda()
+        net[0].table, net[0].use_listed = net[0].table.cuda(), use_listed
+        net[0].listed = [nn.Parameter(torch.ones(16, device="cuda"))]
+        return net
+
+    def call(net, graphs, x, g):
+        for p in list(net.parameters()) + net[0].listed:
+            p.grad = None
+        leases = []
+        x = x.clone().requires_grad_()
+        out = net(x) if graphs is None else graphs.run(("run",), list(net), x, leases, lambda: net(x))
+        out.backward(g)
+        if graphs is not None:
+            graphs.release(leases)
+            graphs.flush_gradients()
+        return [out.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in list(net.parameters()) + net[0].listed
+                                                          if p.grad is not None]
+
+    def changes(net, i):
+        if i == 5:
+            net[0].table = torch.full((16,), 2.0, device="cuda")  # replaced, not written in place
+        if i == 9:
+            net[0].alpha = 0.5
+
+    xs = [torch.randn(8, 16, device="cuda") for _ in range(14)]
+    gs = [torch.randn(8, 16, device="cuda") for _ in range(14)]
+    for use_listed in (False, True):
+        graphs, graphed, eager = StageGraphs(True), make(use_listed), make(use_listed)
+        graphs.limit = 1
+        for i in range(14):
+            changes(graphed, i)
+            changes(eager, i)
+            got, want = call(graphed, graphs, xs[i], gs[i]), call(eager, None, xs[i], gs[i])
+            assert len(got) == len(want), (use_listed, i)
+            for a, b in zip(got, want):
+                assert (a - b).norm() <= 1e-5 * b.norm() + 1e-6, (use_listed, i, (a - b).norm().item())
+        if use_listed:
+            assert graphs.counters["captures"] == 0, graphs.counters
+        else:  # captured at calls 2, 7 (after the cache) and 11 (after the scalar)
+            assert graphs.counters["captures"] == 3 and graphs.counters["replays"] == 8, graphs.counters
+    # An attribute that changes at every call: captured again a few times, then eager for good.
+    graphs, net = StageGraphs(True), make(False)
+    graphs.limit = 1
+    for i in range(40):
+        net[0].alpha = 1.0 + i
+        call(net, graphs, xs[i % 14], gs[i % 14])
+    assert graphs.counters["captures"] <= MAX_ATTRIBUTE_RESTARTS + 1 and graphs.counters["eager"] >= 30, graphs.counters
+
+
 @needs_two_gpus
 @pytest.mark.parametrize("procs, script, params", [
     pytest.param(2, "seed002_auto_partition.py", {"partitions": 2, "microbatches": 4}, id="auto-pp2"),

@@ -53,3 +53,74 @@ def test_a_hook_on_a_parameter_gradient_keeps_the_run_eager():
     assert not view.hooked_or_checkpointed()
     handle = modules[1].register_forward_hook(lambda m, i, o: o)  # a module hook, as before
     assert view.hooked_or_checkpointed()
+
+
+def test_a_capture_notices_what_its_graph_took_as_fixed():
+    """Besides parameters and buffers, a graph reads the submodules' plain attributes as they
+    were at its capture: a tensor kept as an attribute (a rotary cache rebuilt for a longer
+    sequence: the graph would read the old one's freed memory) or a Python scalar (a rate);
+    and a parameter sliced in place keeps its data pointer, not its shape."""
+    from smdistributed.modelparallel.torch.run_view import RunView
+
+    torch.manual_seed(0)
+    drop, lin = nn.Dropout(0.1), nn.Linear(4, 4)
+    lin.cache = torch.ones(4)
+    view = RunView([lin, drop])
+    snap = view.attributes()
+    assert snap.changed() == ""
+    drop.p = 0.2
+    assert "0.2" in snap.changed()
+    drop.p = 0.1
+    assert snap.changed() == ""
+    lin.cache = torch.ones(4)
+    assert "'cache'" in snap.changed()
+    snap = view.attributes()
+    del lin.cache
+    assert "'cache'" in snap.changed()
+    before = view.fingerprint()
+    lin.weight.data = lin.weight.data[:2]
+    assert view.fingerprint() != before
+
+
+def test_global_module_hooks_keep_runs_eager():
+    from smdistributed.modelparallel.torch.run_view import RunView
+
+    view = RunView([nn.Linear(4, 4)])
+    assert not view.hooked_or_checkpointed()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+    try:
+        assert view.hooked_or_checkpointed()
+    finally:
+        handle.remove()
+    assert not view.hooked_or_checkpointed()
+
+
+class _ListedWeight(nn.Module):
+    """A parameter kept in a plain list: torch does not register it, so a graph taken with
+    respect to the registered parameters would give it no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.extra = [nn.Parameter(torch.randn(4))]
+        self.frozen = nn.Parameter(torch.zeros(4), requires_grad=False)
+        self.counts = torch.zeros(1)
+
+    def forward(self, x):
+        return self.lin(x) * self.extra[0] + self.frozen
+
+
+def test_what_the_warm_run_finds_and_restores():
+    from smdistributed.modelparallel.torch.stage_graphs import _state_a_forward_may_change, _stray_leaves
+
+    m = _ListedWeight()
+    named = _named_params_needing_grad([m])
+    aliases = {n: p.detach().requires_grad_() for n, p in named}
+    x = torch.randn(2, 4)
+    with _on_aliases(nn.Sequential(m), aliases):
+        out = m(x)
+    strays = _stray_leaves(out, list(aliases.values()))
+    assert len(strays) == 1 and strays[0] is m.extra[0]
+    state = _state_a_forward_may_change(nn.Sequential(m))
+    assert any(t is m.frozen for t in state) and any(t is m.counts for t in state)
+    assert not any(t is m.lin.weight for t in state)

@@ -38,6 +38,12 @@ _hooks = operator.itemgetter("_forward_hooks", "_forward_pre_hooks", "_backward_
 # A parameter's own hooks (Tensor.register_hook, register_post_accumulate_grad_hook): None, or a
 # dict that is empty once they were removed.
 _param_hooks = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
+_shape = operator.attrgetter("shape")
+# Hooks registered for every module (torch.nn.modules.module.register_module_forward_hook and
+# the like, used by profilers and flop counters): a replay would skip them too.
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+_SCALARS = (bool, int, float, str, type(None))  # plain attributes a forward may branch on
 
 
 def _walk(modules: Sequence[nn.Module]) -> List[nn.Module]:
@@ -75,7 +81,7 @@ class RunView:
         params = list(filter(_present, _chain(map(dict.values, map(_params, self._own)))))
         buffers = filter(_present, _chain(map(dict.values, map(_buffers, self._own))))
         return (tuple(map(_training, self.subs)), tuple(map(id, params)), tuple(map(_data_ptr, params)),
-                tuple(map(_requires_grad, params)), tuple(map(_data_ptr, buffers)))
+                tuple(map(_shape, params)), tuple(map(_requires_grad, params)), tuple(map(_data_ptr, buffers)))
 
     def hooked_or_checkpointed(self) -> bool:
         """Whether a submodule has a forward or backward hook, a parameter has a hook on its
@@ -85,4 +91,50 @@ class RunView:
         params = filter(_present, _chain(map(dict.values, map(_params, self._own))))
         return (any(_chain(map(_hooks, self._own)))
                 or any(_chain(map(_param_hooks, params)))
+                or any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOKS)
                 or next(filter(_present, map(_checkpoint_mark, self._own)), None) is not None)
+
+    def attributes(self) -> "AttributeSnapshot":
+        """The submodules' plain attributes as they are now (taken when a capture is made)."""
+        return AttributeSnapshot(self._own)
+
+
+class AttributeSnapshot:
+    """What a capture took as fixed besides parameters and buffers: the submodules' plain
+    attributes. Tensors by identity, data pointer and shape (a cache kept as an attribute,
+    rotary embeddings' cos/sin say, rebuilt for a longer sequence: the graph would read the
+    old one's freed memory), and Python scalars by value (a Dropout's p, a schedule's rate:
+    the graph took the value of the capture). `changed()` is what the graph check reads at
+    each call: one itemgetter a submodule, in C, and a Python loop over the tensors only."""
+
+    def __init__(self, own: List[dict]):
+        self._getters, self._dicts = [], []
+        self._tensors = []  # (instance dict, name, tensor, data pointer, shape)
+        for d in own:
+            names = [k for k, v in d.items() if type(v) in _SCALARS]
+            if names:
+                self._getters.append(operator.itemgetter(*names))
+                self._dicts.append(d)
+            self._tensors += [(d, k, v, v.data_ptr(), v.shape) for k, v in d.items() if isinstance(v, torch.Tensor)]
+        self._values = self._read()
+
+    def _read(self):
+        try:
+            return tuple(map(operator.call, self._getters, self._dicts))
+        except KeyError:  # an attribute was deleted
+            return None
+
+    def changed(self) -> str:
+        """"" if every attribute is as it was; else the name of one that changed."""
+        values = self._read()
+        if values != self._values:
+            for getter, d, was, now in zip(self._getters, self._dicts, self._values,
+                                           values or [None] * len(self._getters)):
+                if was != now:
+                    return f"an attribute among {getter} (was {was!r}, now {now!r})"
+            return "an attribute"
+        for d, name, t, ptr, shape in self._tensors:
+            now = d.get(name)
+            if now is not t or t.data_ptr() != ptr or t.shape != shape:
+                return f"the tensor attribute '{name}'"
+        return ""

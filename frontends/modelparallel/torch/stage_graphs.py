@@ -51,6 +51,7 @@ mode under eager runs.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from contextlib import contextmanager, nullcontext
@@ -60,12 +61,13 @@ import torch
 import torch.nn as nn
 
 from . import cuda_streams
-from .run_view import RunView
+from .run_view import AttributeSnapshot, RunView
 from . import weight_split
 from .weight_split import NotSplittable, SplitPlan, input_pass, weight_pass
 
 WARMUP_CALLS = 2  # eager runs of a shape before its first capture
 SHAPES_PER_RUN = 2  # graphed shapes of one run (a short last batch is one more); others run eagerly
+MAX_ATTRIBUTE_RESTARTS = 3  # captures a run may start over for changed attributes before it stays eager
 
 log = logging.getLogger("smdistributed.modelparallel")
 
@@ -348,8 +350,8 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
     its gradients go nowhere (autograd.grad, not .grad). With `check_split`, its backward is
     the split one checked against one backward (weight_split.check); returns why the split
     cannot be used ("" when it can, or was not asked for)."""
-    buffers = list(run.buffers())
-    saved = [b.clone() for b in buffers]
+    state = _state_a_forward_may_change(run)
+    saved = [b.clone() for b in state]
     rng = torch.cuda.get_rng_state(x.device)
     try:
         probe = x.detach().clone().requires_grad_(x.requires_grad)
@@ -358,6 +360,10 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
                 out = run(probe)
         if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
             raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
+        strays = _stray_leaves(out, list(aliases.values()) + [probe])
+        if strays:
+            raise NotGraphable(f"it uses {len(strays)} tensor(s) that need a gradient but are not parameters "
+                               "registered in its modules (kept in a list, say): its graph would give them none")
         if check_split:
             try:
                 weight_split.check(out, probe, list(aliases.values()), torch.randn_like(out))
@@ -369,9 +375,32 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
         return ""
     finally:
         with torch.no_grad():
-            for b, v in zip(buffers, saved):
+            for b, v in zip(state, saved):
                 b.copy_(v)
         torch.cuda.set_rng_state(rng, x.device)
+
+
+def _stray_leaves(out: torch.Tensor, known: Sequence[torch.Tensor]) -> list:
+    """The leaves `out` needs a gradient for besides `known` (the aliases and the input): a
+    parameter the run reaches without it being registered in its modules."""
+    ids = set(map(id, known))
+    nodes = weight_split.post_order(out.grad_fn) if out.grad_fn is not None else []
+    return [n.variable for n in nodes if hasattr(n, "variable") and id(n.variable) not in ids]
+
+
+def _state_a_forward_may_change(run: nn.Module) -> List[torch.Tensor]:
+    """What a forward may update in place, which the warm run must leave as it found it (the
+    microbatch that triggers the capture updates it once, in its replay): the buffers, the
+    parameters that need no gradient (an EMA codebook kept as one, say), and tensors kept as
+    plain attributes. Each once."""
+    seen, state = set(), []
+    tensors = itertools.chain(run.buffers(), (p for p in run.parameters() if not p.requires_grad),
+                              (v for m in run.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)))
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            state.append(t)
+    return state
 
 
 class _GraphedRun(torch.autograd.Function):
@@ -425,6 +454,7 @@ class _Entry:
         self.instances: List[_Instance] = []
         self.eager_calls = 0
         self.fingerprint: tuple = ()
+        self.attributes: Optional[AttributeSnapshot] = None  # the submodules' plain attributes at its capture
 
 
 class StageGraphs:
@@ -448,6 +478,7 @@ class StageGraphs:
         self._captures_seen = 0  # captures when the cache was last given back (after_step)
         self._tls = threading.local()
         self._not_split: set = set()  # runs whose backward could not be split (logged once)
+        self._attribute_restarts: Dict[tuple, int] = {}  # run -> captures dropped for changed attributes
 
     def inside_capture(self) -> bool:
         """True in the thread that is warming or capturing a run: a Sequential nested in it
@@ -578,13 +609,28 @@ class StageGraphs:
         return view
 
     def _lease(self, key, modules, x) -> Optional[_Instance]:
-        fingerprint = self.view(key[0], modules).fingerprint()
+        view = self.view(key[0], modules)
+        fingerprint = view.fingerprint()
+        restarts = 0
         with self._lock:
             entry = self._entries.setdefault(key, _Entry())
-            if entry.fingerprint != fingerprint:
+            changed = entry.attributes.changed() if entry.attributes is not None else ""
+            if entry.fingerprint != fingerprint or changed:
                 if any(i.busy for i in entry.instances):
                     return None
                 entry.instances, entry.eager_calls, entry.fingerprint = [], 0, fingerprint
+                entry.attributes = None
+                if changed:
+                    restarts = self._attribute_restarts[key[0]] = self._attribute_restarts.get(key[0], 0) + 1
+        if restarts > MAX_ATTRIBUTE_RESTARTS:
+            # Changed from call to call (a counter, a schedule per step): capturing again
+            # each time would cost more than it saves.
+            self._refuse(key[0], f"its modules' attributes keep changing between calls ({changed}); "
+                                 "a graph would replay the values of its capture")
+            return None
+        elif restarts:
+            log.info("smp: CUDA graphs: %s is captured again: %s changed since its capture", key[0], changed)
+        with self._lock:
             for inst in entry.instances:
                 if not inst.busy:
                     inst.busy = True
@@ -610,6 +656,8 @@ class StageGraphs:
                                "Set SMDDP_SMP_CUDA_GRAPHS=0 to run it eagerly") from e
         inst.busy = True
         with self._lock:
+            if entry.attributes is None:
+                entry.attributes = view.attributes()
             entry.instances.append(inst)
             self.counters["captures"] += 1
             self.counters["split_captures"] += inst.bwd_w is not None

@@ -59,6 +59,24 @@ def _accumulator(leaf: torch.Tensor) -> Node:
     return node.next_functions[0][0]
 
 
+def post_order(root: Node) -> List[Node]:
+    """Every node of autograd's graph reachable from `root`, each after all the nodes it leads
+    to (iterative: a stage's graph has thousands of nodes, deeper than Python's recursion
+    limit)."""
+    order, seen, stack = [], {root}, [(root, iter(root.next_functions))]
+    while stack:
+        node, kids = stack[-1]
+        for child, _ in kids:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append((child, iter(child.next_functions)))
+                break
+        else:
+            stack.pop()
+            order.append(node)
+    return order
+
+
 class SplitPlan:
     """Where the weight pass starts, for one captured forward `out = run(x)` with the
     parameters `params` (aliases that are leaves)."""
@@ -69,7 +87,7 @@ class SplitPlan:
             raise NotSplittable("the input needs no gradient: nothing to send earlier")
         x_acc = _accumulator(x)
         param_of = {_accumulator(p): i for i, p in enumerate(params)}
-        order = self._post_order(root)
+        order = post_order(root)
         on_path: Dict[Node, bool] = {}  # the node leads to the input's accumulator
         below: Dict[Node, frozenset] = {}  # indices of the parameters the node leads to
         for node in order:  # children before their parents
@@ -99,22 +117,6 @@ class SplitPlan:
         if not self.entries:
             raise NotSplittable("no parameter hangs off the input's path")
 
-    @staticmethod
-    def _post_order(root: Node) -> List[Node]:
-        """Every node reachable from `root`, each after all the nodes it leads to (iterative:
-        a stage's graph has thousands of nodes, deeper than Python's recursion limit)."""
-        order, seen, stack = [], {root}, [(root, iter(root.next_functions))]
-        while stack:
-            node, kids = stack[-1]
-            for child, _ in kids:
-                if child is not None and child not in seen:
-                    seen.add(child)
-                    stack.append((child, iter(child.next_functions)))
-                    break
-            else:
-                stack.pop()
-                order.append(node)
-        return order
 
 
 def input_pass(plan: SplitPlan, out: torch.Tensor, x: torch.Tensor, grad_out: torch.Tensor):

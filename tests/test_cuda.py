@@ -537,6 +537,18 @@ def test_cuda_stage_graphs_follow_what_eager_would_read():
         net[0].alpha = 1.0 + i
         call(net, graphs, xs[i % 14], gs[i % 14])
     assert graphs.counters["captures"] <= MAX_ATTRIBUTE_RESTARTS + 1 and graphs.counters["eager"] >= 30, graphs.counters
+    # A mode toggled for an evaluation pass with gradients, many times over (each epoch's
+    # validation), is no such change: each training phase is captured again and replayed.
+    graphs, net = StageGraphs(True), make(False)
+    graphs.limit = 1
+    cycles = MAX_ATTRIBUTE_RESTARTS + 3
+    for cycle in range(cycles):
+        for i in range(4):  # two eager calls, the capture, a replay
+            call(net, graphs, xs[i], gs[i])
+        net.eval()
+        call(net, graphs, xs[4], gs[4])
+        net.train()
+    assert graphs.counters["captures"] == cycles and graphs.counters["replays"] == 2 * cycles, graphs.counters
 
 
 @needs_two_gpus

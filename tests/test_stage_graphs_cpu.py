@@ -72,6 +72,9 @@ def test_a_capture_notices_what_its_graph_took_as_fixed():
     assert "0.2" in snap.changed()
     drop.p = 0.1
     assert snap.changed() == ""
+    lin.eval()  # the fingerprint's (a mode toggled for evaluation is not an attribute change)
+    assert snap.changed() == ""
+    lin.train()
     lin.cache = torch.ones(4)
     assert "'cache'" in snap.changed()
     snap = view.attributes()

@@ -111,7 +111,9 @@ class AttributeSnapshot:
         self._getters, self._dicts = [], []
         self._tensors = []  # (instance dict, name, tensor, data pointer, shape)
         for d in own:
-            names = [k for k, v in d.items() if type(v) in _SCALARS]
+            # (`training` is the fingerprint's: a mode toggled for evaluation is no reason to
+            # stop graphing a run, as repeated attribute changes are.)
+            names = [k for k, v in d.items() if type(v) in _SCALARS and k != "training"]
             if names:
                 self._getters.append(operator.itemgetter(*names))
                 self._dicts.append(d)

@@ -616,6 +616,9 @@ class StageGraphs:
             entry = self._entries.setdefault(key, _Entry())
             changed = entry.attributes.changed() if entry.attributes is not None else ""
             if entry.fingerprint != fingerprint or changed:
+                # (Only the attributes count toward MAX_ATTRIBUTE_RESTARTS: a mode toggled for
+                # evaluation each epoch changes the fingerprint, and the run should stay graphed.)
+                changed = changed if entry.fingerprint == fingerprint else ""
                 if any(i.busy for i in entry.instances):
                     return None
                 entry.instances, entry.eager_calls, entry.fingerprint = [], 0, fingerprint

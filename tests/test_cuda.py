@@ -473,7 +473,8 @@ def test_cuda_stage_graphs_follow_what_eager_would_read():
     a tensor kept as a module attribute replaced (a cache rebuilt) and a Python scalar
     changed between calls are seen (the run is captured again, with the new values); a run
     that changes its attribute at every call ends eager; a parameter kept in a plain list
-    (not registered) keeps the run eager, and its gradient is the eager one."""
+    (not registered) keeps the run eager, and its gradient is the eager one; so does a draw
+    from the host's random numbers in the forward (LayerDrop)."""
     import torch.nn as nn
     from smdistributed.modelparallel.torch.stage_graphs import MAX_ATTRIBUTE_RESTARTS, StageGraphs
 
@@ -496,7 +497,8 @@ def test_cuda_stage_graphs_follow_what_eager_would_read():
         return net
 
     def call(net, graphs, x, g):
-        for p in list(net.parameters()) + net[0].listed:
+        extra = getattr(net[0], "listed", [])
+        for p in list(net.parameters()) + extra:
             p.grad = None
         leases = []
         x = x.clone().requires_grad_()
@@ -505,7 +507,7 @@ def test_cuda_stage_graphs_follow_what_eager_would_read():
         if graphs is not None:
             graphs.release(leases)
             graphs.flush_gradients()
-        return [out.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in list(net.parameters()) + net[0].listed
+        return [out.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in list(net.parameters()) + extra
                                                           if p.grad is not None]
 
     def changes(net, i):
@@ -530,6 +532,25 @@ def test_cuda_stage_graphs_follow_what_eager_would_read():
             assert graphs.counters["captures"] == 0, graphs.counters
         else:  # captured at calls 2, 7 (after the cache) and 11 (after the scalar)
             assert graphs.counters["captures"] == 3 and graphs.counters["replays"] == 8, graphs.counters
+    # LayerDrop as Hugging Face models write it (a draw on the host decides whether a layer
+    # runs): stays eager, each call drawing as the eager model does.
+    class LayerDrop(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x if torch.rand([]) < 0.5 else self.layer(x)
+
+    runs, layerdrop_graphs = [], StageGraphs(True)
+    layerdrop_graphs.limit = 1
+    for graphs in (layerdrop_graphs, None):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(16, 16), LayerDrop()).cuda()
+        runs.append([call(net, graphs, xs[i], gs[i]) for i in range(8)])
+    assert layerdrop_graphs.counters["captures"] == 0, layerdrop_graphs.counters
+    for got, want in zip(*runs):
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)), "LayerDrop differs"
     # An attribute that changes at every call: captured again a few times, then eager for good.
     graphs, net = StageGraphs(True), make(False)
     graphs.limit = 1

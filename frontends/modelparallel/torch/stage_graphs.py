@@ -53,6 +53,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
+import sys
 import threading
 from contextlib import contextmanager, nullcontext
 from typing import Dict, List, Optional, Sequence
@@ -353,6 +355,7 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
     state = _state_a_forward_may_change(run)
     saved = [b.clone() for b in state]
     rng = torch.cuda.get_rng_state(x.device)
+    host_rngs = _host_rng_states()
     try:
         probe = x.detach().clone().requires_grad_(x.requires_grad)
         with _autocast_without_cache(autocast_dtype):
@@ -360,6 +363,12 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
                 out = run(probe)
         if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
             raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
+        drawn = [name for name, state in _host_rng_states().items() if not _same_state(state, host_rngs[name])]
+        if drawn:
+            # A decision on the host (LayerDrop's `if torch.rand([]) < p`) would be replayed
+            # as it fell at the capture, every time.
+            raise NotGraphable(f"its forward draws from the host's random numbers ({', '.join(drawn)}): "
+                               "a graph would replay one draw")
         strays = _stray_leaves(out, list(aliases.values()) + [probe])
         if strays:
             raise NotGraphable(f"it uses {len(strays)} tensor(s) that need a gradient but are not parameters "
@@ -378,6 +387,32 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
             for b, v in zip(state, saved):
                 b.copy_(v)
         torch.cuda.set_rng_state(rng, x.device)
+        _set_host_rng_states(host_rngs)
+
+
+def _host_rng_states() -> Dict[str, object]:
+    """The random generators a forward may draw from on the host: torch's CPU one, Python's,
+    and numpy's when it is loaded."""
+    states = {"torch's CPU generator": torch.get_rng_state(), "Python's random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy.random"] = numpy.random.get_state()
+    return states
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, tuple) and len(a) > 1 and hasattr(a[1], "shape"):  # numpy's (name, keys, pos, ...)
+        return a[0] == b[0] and bool((a[1] == b[1]).all()) and a[2:] == b[2:]
+    return a == b
+
+
+def _set_host_rng_states(states: Dict[str, object]) -> None:
+    torch.set_rng_state(states["torch's CPU generator"])
+    random.setstate(states["Python's random"])
+    if "numpy.random" in states:
+        sys.modules["numpy"].random.set_state(states["numpy.random"])
 
 
 def _stray_leaves(out: torch.Tensor, known: Sequence[torch.Tensor]) -> list:

@@ -113,17 +113,76 @@ class _ListedWeight(nn.Module):
         return self.lin(x) * self.extra[0] + self.frozen
 
 
-def test_what_the_warm_run_finds_and_restores():
-    from smdistributed.modelparallel.torch.stage_graphs import _state_a_forward_may_change, _stray_leaves
+def test_what_the_warm_run_finds_and_undoes():
+    """The warm run before a capture is one forward too many: it must find a parameter that
+    is not registered (the graph would give it no gradient) and undo exactly what the forward
+    changed (an EMA buffer, a cache attribute replaced), without touching what it did not
+    change, which earlier microbatches' backwards, still pending, may have saved."""
+    from smdistributed.modelparallel.torch.stage_graphs import _ForwardEffects, _stray_leaves
 
+    torch.manual_seed(0)
     m = _ListedWeight()
     named = _named_params_needing_grad([m])
     aliases = {n: p.detach().requires_grad_() for n, p in named}
-    x = torch.randn(2, 4)
     with _on_aliases(nn.Sequential(m), aliases):
-        out = m(x)
+        out = m(torch.randn(2, 4))
     strays = _stray_leaves(out, list(aliases.values()))
     assert len(strays) == 1 and strays[0] is m.extra[0]
-    state = _state_a_forward_may_change(nn.Sequential(m))
-    assert any(t is m.frozen for t in state) and any(t is m.counts for t in state)
-    assert not any(t is m.lin.weight for t in state)
+
+    class Stateful(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen = nn.Linear(4, 4).requires_grad_(False)
+            self.trained = nn.Linear(4, 4)
+            self.register_buffer("ema", torch.zeros(4))
+            self.cache = torch.ones(4)
+
+        def forward(self, x):
+            h = self.trained(self.frozen(x) * self.cache)  # (x's gradient needs the frozen weight and the cache)
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(h.mean(0))
+            self.cache = torch.full((4,), 2.0)  # rebuilt
+            return h
+
+    run = nn.Sequential(Stateful())
+    pending = run(torch.randn(3, 4, requires_grad=True)).sum()  # an earlier microbatch's backward, not run yet
+    ema, cache, weight_version = run[0].ema.clone(), run[0].cache, run[0].frozen.weight._version
+    effects = _ForwardEffects(run)
+    run(torch.randn(3, 4, requires_grad=True))  # the warm run's forward
+    assert effects.undo() == ""
+    assert torch.equal(run[0].ema, ema) and run[0].cache is cache
+    assert run[0].frozen.weight._version == weight_version
+    pending.backward()  # what it saved is intact
+
+    class ChangesAFrozenParameter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.scale = nn.Parameter(torch.ones(4), requires_grad=False)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.scale.mul_(0.9)
+            return self.lin(x) * self.scale
+
+    run = nn.Sequential(ChangesAFrozenParameter())
+    effects = _ForwardEffects(run)
+    run(torch.randn(2, 4))
+    assert "needs no gradient" in effects.undo()
+
+
+def test_the_host_random_states_compare_and_restore():
+    import random
+
+    import numpy
+    from smdistributed.modelparallel.torch.stage_graphs import _host_rng_states, _same_state, _set_host_rng_states
+
+    before = _host_rng_states()
+    assert set(before) == {"torch's CPU generator", "Python's random", "numpy.random"}
+    assert all(_same_state(before[k], v) for k, v in _host_rng_states().items())
+    for draw in (lambda: torch.rand([]), random.random, numpy.random.rand):
+        draw()
+        after = _host_rng_states()
+        assert sum(not _same_state(before[k], after[k]) for k in before) == 1, draw
+        _set_host_rng_states(before)
+        assert all(_same_state(before[k], v) for k, v in _host_rng_states().items())

@@ -129,11 +129,19 @@ class AttributeSnapshot:
     def changed(self) -> str:
         """"" if every attribute is as it was; else the name of one that changed."""
         values = self._read()
-        if values != self._values:
-            for getter, d, was, now in zip(self._getters, self._dicts, self._values,
-                                           values or [None] * len(self._getters)):
-                if was != now:
-                    return f"an attribute among {getter} (was {was!r}, now {now!r})"
+        try:
+            differ = values != self._values
+        except Exception:  # a scalar replaced by a tensor, say: comparing raises
+            return "an attribute (replaced by one of another kind)"
+        # (A scalar replaced by a one-element tensor of the same value compares equal: the
+        # graph's constant is then still the value eager would use.)
+        if differ:
+            try:  # (which one, for the log)
+                for getter, was, now in zip(self._getters, self._values, values or [None] * len(self._getters)):
+                    if was is not now and was != now:
+                        return f"an attribute among {getter} (was {was!r}, now {now!r})"
+            except Exception:
+                pass
             return "an attribute"
         for d, name, t, ptr, shape in self._tensors:
             now = d.get(name)

@@ -70,6 +70,7 @@ from .weight_split import NotSplittable, SplitPlan, input_pass, weight_pass
 WARMUP_CALLS = 2  # eager runs of a shape before its first capture
 SHAPES_PER_RUN = 2  # graphed shapes of one run (a short last batch is one more); others run eagerly
 MAX_ATTRIBUTE_RESTARTS = 3  # captures a run may start over for changed attributes before it stays eager
+REPLAYS_THAT_FORGIVE = 20  # replays of a capture after which its run's count of restarts starts again
 
 log = logging.getLogger("smdistributed.modelparallel")
 
@@ -348,46 +349,100 @@ def _warm_run(run: nn.Module, aliases, x: torch.Tensor, autocast_dtype: Optional
     the capture. cuBLAS and cuDNN make their handles, workspaces and attention plans per
     thread (and per stream) at first use, with allocations that CUDA refuses inside a capture
     (measured: cuDNN's "DEVICE_ALLOCATION_FAILED" when another thread had run the eager
-    microbatches). Its effects are undone: buffers and the CUDA RNG state are restored, and
-    its gradients go nowhere (autograd.grad, not .grad). With `check_split`, its backward is
-    the split one checked against one backward (weight_split.check); returns why the split
-    cannot be used ("" when it can, or was not asked for)."""
-    state = _state_a_forward_may_change(run)
-    saved = [b.clone() for b in state]
+    microbatches). Its effects are undone (_ForwardEffects; the random generators), and its
+    gradients go nowhere (autograd.grad, not .grad). With `check_split`, its backward is the
+    split one checked against one backward (weight_split.check); returns why the split cannot
+    be used ("" when it can, or was not asked for)."""
+    effects = _ForwardEffects(run)
     rng = torch.cuda.get_rng_state(x.device)
     host_rngs = _host_rng_states()
     try:
-        probe = x.detach().clone().requires_grad_(x.requires_grad)
-        with _autocast_without_cache(autocast_dtype):
-            with _on_aliases(run, aliases):
-                out = run(probe)
-        if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
-            raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
-        drawn = [name for name, state in _host_rng_states().items() if not _same_state(state, host_rngs[name])]
-        if drawn:
-            # A decision on the host (LayerDrop's `if torch.rand([]) < p`) would be replayed
-            # as it fell at the capture, every time.
-            raise NotGraphable(f"its forward draws from the host's random numbers ({', '.join(drawn)}): "
-                               "a graph would replay one draw")
-        strays = _stray_leaves(out, list(aliases.values()) + [probe])
-        if strays:
-            raise NotGraphable(f"it uses {len(strays)} tensor(s) that need a gradient but are not parameters "
-                               "registered in its modules (kept in a list, say): its graph would give them none")
-        if check_split:
-            try:
-                weight_split.check(out, probe, list(aliases.values()), torch.randn_like(out))
-            except NotSplittable as e:
-                return str(e)
-            return ""
-        wrt = ([probe] if x.requires_grad else []) + list(aliases.values())
-        torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)
-        return ""
+        why_not_split = _warm_body(run, aliases, x, autocast_dtype, check_split, host_rngs)
     finally:
-        with torch.no_grad():
-            for b, v in zip(state, saved):
-                b.copy_(v)
+        problem = effects.undo()
         torch.cuda.set_rng_state(rng, x.device)
         _set_host_rng_states(host_rngs)
+    if problem:
+        raise NotGraphable(problem)
+    return why_not_split
+
+
+def _warm_body(run, aliases, x, autocast_dtype, check_split: bool, host_rngs) -> str:
+    """The warm run itself: its forward, the checks that need a forward, and its backward."""
+    probe = x.detach().clone().requires_grad_(x.requires_grad)
+    with _autocast_without_cache(autocast_dtype):
+        with _on_aliases(run, aliases):
+            out = run(probe)
+    if not isinstance(out, torch.Tensor) or not out.is_cuda or not out.requires_grad:
+        raise NotGraphable("its output is not one CUDA tensor that needs a gradient")
+    drawn = [name for name, state in _host_rng_states().items() if not _same_state(state, host_rngs[name])]
+    if drawn:
+        # A decision on the host (LayerDrop's `if torch.rand([]) < p`) would be replayed
+        # as it fell at the capture, every time.
+        raise NotGraphable(f"its forward draws from the host's random numbers ({', '.join(drawn)}): "
+                           "a graph would replay one draw")
+    strays = _stray_leaves(out, list(aliases.values()) + [probe])
+    if strays:
+        raise NotGraphable(f"it uses {len(strays)} tensor(s) that need a gradient but are not parameters "
+                           "registered in its modules (kept in a list, say): its graph would give them none")
+    if check_split:
+        try:
+            weight_split.check(out, probe, list(aliases.values()), torch.randn_like(out))
+        except NotSplittable as e:
+            return str(e)
+        return ""
+    wrt = ([probe] if x.requires_grad else []) + list(aliases.values())
+    torch.autograd.grad(out, wrt, torch.zeros_like(out), allow_unused=True)
+    return ""
+
+
+def _version(t: torch.Tensor) -> Optional[int]:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor: no version, and nothing changes it outside inference mode
+        return None
+
+
+class _ForwardEffects:
+    """What a forward may change, taken before the warm run and undone after it, so that the
+    microbatch that triggers a capture changes it once (in its replay), as an eager run does:
+    buffers (BatchNorm's statistics), tensors kept as plain attributes (put back if replaced,
+    their values restored), and parameters that need no gradient.
+
+    The values are written back through `.data`, which does not bump the tensors' versions:
+    the eager backwards still pending (the earlier microbatches of a "simple" step) saved some
+    of these (a cache a product reads, BatchNorm's running statistics in cuDNN's backward) and
+    would refuse to run after a versioned copy. (Versions cannot tell what the forward wrote
+    either: cuDNN's batch norm updates its running statistics without bumping them.) Frozen
+    parameters are not copied beforehand (a frozen base model can be most of a stage): one
+    whose version the forward bumped makes the run ineligible instead."""
+
+    def __init__(self, run: nn.Module):
+        self.attributes = [(vars(m), name, v) for m in run.modules() for name, v in vars(m).items()
+                           if isinstance(v, torch.Tensor)]
+        seen, self.copies = set(), []
+        for t in itertools.chain(run.buffers(), (v for _, _, v in self.attributes)):
+            if id(t) not in seen and _version(t) is not None:
+                seen.add(id(t))
+                self.copies.append((t, t.detach().clone()))
+        self.frozen = [(p, _version(p)) for p in run.parameters() if not p.requires_grad]
+
+    def undo(self) -> str:
+        """Undoes the changes; returns why the run cannot be graphed ("" if it can)."""
+        problems = []
+        with torch.no_grad():
+            for d, name, t in self.attributes:
+                if d.get(name) is not t:
+                    d[name] = t
+            for t, copy in self.copies:
+                try:
+                    t.data.copy_(copy)
+                except RuntimeError as e:
+                    problems.append(f"a tensor its forward may change could not be restored ({e})")
+        if any(_version(p) != version for p, version in self.frozen):
+            problems.append("its forward changes a parameter that needs no gradient in place (a graph's "
+                            "capture would apply that change once more)")
+        return "; ".join(problems)
 
 
 def _host_rng_states() -> Dict[str, object]:
@@ -421,21 +476,6 @@ def _stray_leaves(out: torch.Tensor, known: Sequence[torch.Tensor]) -> list:
     ids = set(map(id, known))
     nodes = weight_split.post_order(out.grad_fn) if out.grad_fn is not None else []
     return [n.variable for n in nodes if hasattr(n, "variable") and id(n.variable) not in ids]
-
-
-def _state_a_forward_may_change(run: nn.Module) -> List[torch.Tensor]:
-    """What a forward may update in place, which the warm run must leave as it found it (the
-    microbatch that triggers the capture updates it once, in its replay): the buffers, the
-    parameters that need no gradient (an EMA codebook kept as one, say), and tensors kept as
-    plain attributes. Each once."""
-    seen, state = set(), []
-    tensors = itertools.chain(run.buffers(), (p for p in run.parameters() if not p.requires_grad),
-                              (v for m in run.modules() for v in vars(m).values() if isinstance(v, torch.Tensor)))
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            state.append(t)
-    return state
 
 
 class _GraphedRun(torch.autograd.Function):
@@ -490,6 +530,7 @@ class _Entry:
         self.eager_calls = 0
         self.fingerprint: tuple = ()
         self.attributes: Optional[AttributeSnapshot] = None  # the submodules' plain attributes at its capture
+        self.replays = 0  # leases of its instances since it last started over
 
 
 class StageGraphs:
@@ -659,7 +700,10 @@ class StageGraphs:
                 entry.instances, entry.eager_calls, entry.fingerprint = [], 0, fingerprint
                 entry.attributes = None
                 if changed:
+                    if entry.replays >= REPLAYS_THAT_FORGIVE:  # (a schedule's change once an epoch)
+                        self._attribute_restarts[key[0]] = 0
                     restarts = self._attribute_restarts[key[0]] = self._attribute_restarts.get(key[0], 0) + 1
+                entry.replays = 0
         if restarts > MAX_ATTRIBUTE_RESTARTS:
             # Changed from call to call (a counter, a schedule per step): capturing again
             # each time would cost more than it saves.
@@ -672,6 +716,7 @@ class StageGraphs:
             for inst in entry.instances:
                 if not inst.busy:
                     inst.busy = True
+                    entry.replays += 1
                     return inst
             if entry.eager_calls < WARMUP_CALLS:
                 entry.eager_calls += 1

@@ -41,8 +41,8 @@ _param_hooks = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hoo
 _shape = operator.attrgetter("shape")
 # Hooks registered for every module (torch.nn.modules.module.register_module_forward_hook and
 # the like, used by profilers and flop counters): a replay would skip them too.
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
+_global_hooks = operator.attrgetter("_global_forward_hooks", "_global_forward_pre_hooks",
+                                    "_global_backward_hooks", "_global_backward_pre_hooks")
 _SCALARS = (bool, int, float, str, type(None))  # plain attributes a forward may branch on
 
 
@@ -89,9 +89,9 @@ class RunView:
         accumulation, so the hook would silently not run), or a submodule is marked for
         activation checkpointing (a view that is current)."""
         params = filter(_present, _chain(map(dict.values, map(_params, self._own))))
-        return (any(_chain(map(_hooks, self._own)))
+        return (any(_global_hooks(torch.nn.modules.module))
+                or any(_chain(map(_hooks, self._own)))
                 or any(_chain(map(_param_hooks, params)))
-                or any(getattr(torch.nn.modules.module, name) for name in _GLOBAL_HOOKS)
                 or next(filter(_present, map(_checkpoint_mark, self._own)), None) is not None)
 
     def attributes(self) -> "AttributeSnapshot":

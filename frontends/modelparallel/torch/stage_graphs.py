@@ -64,8 +64,7 @@ import torch.nn as nn
 
 from . import cuda_streams
 from .run_view import AttributeSnapshot, RunView
-from . import weight_split
-from .weight_split import NotSplittable, SplitPlan, input_pass, weight_pass
+from .weight_split import NotSplittable, SplitPlan, check as check_split_backward, input_pass, post_order, weight_pass
 
 WARMUP_CALLS = 2  # eager runs of a shape before its first capture
 SHAPES_PER_RUN = 2  # graphed shapes of one run (a short last batch is one more); others run eagerly
@@ -387,7 +386,7 @@ def _warm_body(run, aliases, x, autocast_dtype, check_split: bool, host_rngs) ->
                            "registered in its modules (kept in a list, say): its graph would give them none")
     if check_split:
         try:
-            weight_split.check(out, probe, list(aliases.values()), torch.randn_like(out))
+            check_split_backward(out, probe, list(aliases.values()), torch.randn_like(out))
         except NotSplittable as e:
             return str(e)
         return ""
@@ -474,7 +473,7 @@ def _stray_leaves(out: torch.Tensor, known: Sequence[torch.Tensor]) -> list:
     """The leaves `out` needs a gradient for besides `known` (the aliases and the input): a
     parameter the run reaches without it being registered in its modules."""
     ids = set(map(id, known))
-    nodes = weight_split.post_order(out.grad_fn) if out.grad_fn is not None else []
+    nodes = post_order(out.grad_fn) if out.grad_fn is not None else []
     return [n.variable for n in nodes if hasattr(n, "variable") and id(n.variable) not in ids]
 
 
@@ -690,11 +689,12 @@ class StageGraphs:
         restarts = 0
         with self._lock:
             entry = self._entries.setdefault(key, _Entry())
-            changed = entry.attributes.changed() if entry.attributes is not None else ""
-            if entry.fingerprint != fingerprint or changed:
-                # (Only the attributes count toward MAX_ATTRIBUTE_RESTARTS: a mode toggled for
-                # evaluation each epoch changes the fingerprint, and the run should stay graphed.)
-                changed = changed if entry.fingerprint == fingerprint else ""
+            # Only a change of attributes alone counts toward MAX_ATTRIBUTE_RESTARTS: a mode
+            # toggled for evaluation each epoch changes the fingerprint, and the run should
+            # stay graphed.
+            refit = entry.fingerprint != fingerprint
+            changed = "" if refit or entry.attributes is None else entry.attributes.changed()
+            if refit or changed:
                 if any(i.busy for i in entry.instances):
                     return None
                 entry.instances, entry.eager_calls, entry.fingerprint = [], 0, fingerprint

@@ -299,7 +299,8 @@ def main():
     smp.init(cfg)
     dev = torch.device("cpu")
     if DEVICE == "cuda":
-        torch.cuda.set_device(smp.local_rank())
+        # On a one-GPU machine both stages share it (their link goes through host memory).
+        torch.cuda.set_device(smp.local_rank() % torch.cuda.device_count())
         dev = torch.device("cuda")
     data = [(x.to(dev), y.to(dev)) for x, y in batches(smp.dp_rank(), smp.dp_size())]
 
@@ -394,7 +395,8 @@ def main():
            graph_layout=model._runtime.graphs.layout(), others_on=others_on, link_ctas=link_ctas(),
            gradients_before_answer=gradients_before_answer(sent_order),
            merged_answers=model._runtime.held_answers.merged, late_answers=model._runtime.held_answers.late,
-           inline_output_serves=model._runtime.inline_output_serves, eval_step_s=eval_step_s)
+           inline_output_serves=model._runtime.inline_output_serves, eval_step_s=eval_step_s,
+           host_staged_links=len(smp_state().host_staged_links))
 
 
 _root_passes = {}  # waits so far on this rank, per store key (wait_on_root)
@@ -451,6 +453,11 @@ def gradients_before_answer(order) -> int:
         elif call_id not in answered:
             early += 1
     return early
+
+
+def smp_state():
+    from smdistributed.modelparallel.torch.state import state
+    return state
 
 
 def link_ctas():

@@ -342,7 +342,7 @@ class DistributedModel(nn.Module):
                 holders.setdefault(id(p), (full, set()))[1].add(assignment[path])
         for pid, (_, owners) in holders.items():
             self._owners_of_param[pid] = frozenset(owners)  # several: tied weights, a copy on each (tied.py)
-        links = Links(state.pp_group, topo.pp_group, me, state.cuda_links, local_device())
+        links = Links(state.pp_group, topo.pp_group, me, state.cuda_links, local_device(), state.host_staged_links)
         cfg = state.cfg
         runtime = PipelineRuntime(links, me, topo.pp_size, topo.pp_group, cfg.pipeline, cfg.active_microbatches,
                                   local_device())

@@ -3,13 +3,16 @@
 smp.init starts torch.distributed on the smddp backend (unless the script already did) and
 makes the groups: one pipeline group per model replica, one data-parallel group per
 partition, and, when CUDA is there, a one-way group per ordered pair of pipeline ranks for
-tensors that travel through NCCL (see wire.py).
+tensors that travel through NCCL (see wire.py). Two pipeline ranks on one GPU (a one-GPU machine
+running pp=2) cannot share an NCCL communicator: their link carries CUDA tensors through host
+memory instead.
 """
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +38,9 @@ class _State:
         # may issue collectives on dp_group from other threads, in an order that differs by rank.
         self.dp_check_group = None
         self.cuda_links: Dict[Tuple[int, int], Any] = {}
+        # (src, dst) pipeline ranks of this rank's links whose two ranks share one GPU: NCCL refuses
+        # two ranks of a communicator on one device, so their CUDA tensors go through host memory.
+        self.host_staged_links: Set[Tuple[int, int]] = set()
         self.local_rank = 0
         self.local_size = 1
         self.model = None
@@ -85,6 +91,8 @@ def init(config: Optional[Dict[str, Any]] = None) -> None:
             # later group shares, where it would also cut short the waits of new_group (NCCL's
             # unique ids), whose own failures name the missing rank.
             dist.distributed_c10d._get_default_store().set_timeout(dist.default_pg_timeout)
+    state.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # device() reads it below
+    state.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     topo = Topology(dist.get_rank(), dist.get_world_size(), cfg.partitions, cfg.placement_strategy)
     # Every rank makes every group, in the same order (new_group is collective over the world).
     for d in range(topo.dp_size):
@@ -102,22 +110,45 @@ def init(config: Optional[Dict[str, Any]] = None) -> None:
         # on whichever pipeline threads sent or received first, beside that step's other work.
         dist.barrier(group=state.pp_group)
     if torch.cuda.is_available() and topo.pp_size > 1:
+        gpu_of = _gpu_of_every_rank()
+        sharing = set()  # global rank pairs of one replica's pipeline on one GPU (the same on every rank)
         for d in range(topo.dp_size):
             ranks = topo.pp_group_of(d)
             for a in range(topo.pp_size):
                 for b in range(topo.pp_size):
-                    if a != b:
-                        g = dist.new_group([ranks[a], ranks[b]])
-                        if d == topo.dp_rank and topo.pp_rank in (a, b):  # a member of this link
-                            smddp_group(g).limit_nccl_ctas(link_ctas)
-                            state.cuda_links[(a, b)] = g
+                    if a == b:
+                        continue
+                    mine = d == topo.dp_rank and topo.pp_rank in (a, b)  # a member of this link
+                    if gpu_of[ranks[a]] == gpu_of[ranks[b]]:
+                        sharing.add(tuple(sorted((ranks[a], ranks[b]))))
+                        if mine:
+                            state.host_staged_links.add((a, b))
+                        continue
+                    g = dist.new_group([ranks[a], ranks[b]])
+                    if mine:
+                        smddp_group(g).limit_nccl_ctas(link_ctas)
+                        state.cuda_links[(a, b)] = g
+        if sharing and topo.rank == 0:
+            pairs = ", ".join(f"{a} and {b}" for a, b in sorted(sharing))
+            warnings.warn(f"smp: pipeline ranks share a GPU (global ranks {pairs}): NCCL cannot join two "
+                          "ranks on one device, so activations and gradients between them go through host "
+                          "memory. Fine for trying a script on one GPU; give each rank its own GPU to train fast.",
+                          stacklevel=3)
     state.cfg = cfg
     state.topo = topo
-    state.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    state.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if state.cuda_links:
         _open_cuda_links(topo)
     state.initialized = True
+
+
+def _gpu_of_every_rank() -> list:
+    """Each global rank's GPU, by the device's UUID: ranks that see different device indices
+    (CUDA_VISIBLE_DEVICES set per rank) can still be on one GPU, and ranks on different hosts
+    never are."""
+    mine = str(torch.cuda.get_device_properties(device()).uuid)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
 
 
 def _open_cuda_links(topo: Topology) -> None:

@@ -8,7 +8,9 @@ unchanged and the tensors go as raw data:
     header   4096 bytes, tag TAG_HEADER: meta length (8 bytes) + the meta if it fits
     meta     the rest of the meta, tag TAG_META, when it did not fit
     tensors  one message each: CPU tensors on the pipeline group (tag TAG_PAYLOAD), CUDA
-             tensors on the one-way group of this (sender, receiver) pair, through NCCL
+             tensors on the one-way group of this (sender, receiver) pair, through NCCL; where
+             the two ranks share one GPU (NCCL refuses that), CUDA tensors as host copies on
+             the pipeline group, made again on the receiver's GPU
 
 The meta is (tensor specs, kind, fields, pickled body). A link carries messages one after
 another: senders to one peer hold that peer's lock while they post and finish a message, and
@@ -23,7 +25,7 @@ import pickle
 import threading
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -122,12 +124,13 @@ class Links:
     """Point-to-point message links between this rank and the other pipeline ranks."""
 
     def __init__(self, pp_group, pp_ranks: List[int], me: int, cuda_groups: Dict[Tuple[int, int], Any],
-                 device: torch.device):
+                 device: torch.device, host_staged: Optional[Set[Tuple[int, int]]] = None):
         self._group = pp_group
         self._ranks = pp_ranks  # global rank of each pipeline rank
         self._me = me
         self._cuda_groups = cuda_groups  # (src pp rank, dst pp rank) -> one-way group
         self._cuda_ranks: Dict[Tuple[int, int], int] = {}  # (src, dst) -> the peer's rank in that group
+        self._host_staged = host_staged or set()  # (src, dst) on one GPU: CUDA tensors via host memory
         self._device = device
         self._locks = {p: threading.Lock() for p in range(len(pp_ranks)) if p != me}
         # Messages go through the process groups' own send and recv, with each peer's rank in
@@ -224,6 +227,7 @@ class Links:
         if made_at is not None and any(t.is_cuda for t in tensors):
             stream = self._send_streams[dst]
         to = self._rank_of(dst)
+        staged = (self._me, dst) in self._host_staged
         with self._locks[dst]:
             works = [self._group.send([header], to, TAG_HEADER)]
             held = []  # contiguous copies must live until their sends finish
@@ -240,6 +244,8 @@ class Links:
                     if stream is not None and t.is_cuda:
                         t.record_stream(stream)  # read here (the copy below) after the caller may drop it
                     data = _as_sendable(t.detach().contiguous())
+                    if data.is_cuda and staged:
+                        data = data.cpu()  # waits for the work that made it (this stream waits for made_at)
                     held.append(data)
                     if data.is_cuda:
                         group, rank_there = self._cuda_group(self._me, dst, peer)
@@ -280,8 +286,17 @@ class Links:
         specs, kind, fields, body = pickle.loads(meta)
         tensors = []
         ready = None
+        staged = (src, self._me) in self._host_staged
         for s in specs:
-            if s.on_cuda:
+            if s.on_cuda and staged:
+                host = torch.empty(s.shape, dtype=s.dtype)
+                self._group.recv([_as_sendable(host)], frm, TAG_PAYLOAD).wait()
+                stream = self._recv_streams[src]
+                with cuda_streams.running_on(stream):
+                    t = host.to(self._device)
+                ready = torch.cuda.Event()
+                ready.record(stream)
+            elif s.on_cuda:
                 stream = self._recv_streams[src]
                 with cuda_streams.running_on(stream):
                     t = torch.empty(s.shape, dtype=s.dtype, device=self._device)

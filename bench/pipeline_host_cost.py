@@ -26,6 +26,7 @@ p.add_argument("--seconds", type=float, default=10.0, help="timed seconds per co
 p.add_argument("--only", default="torch,smp")
 p.add_argument("--active", type=int, default=2, help="smp's active_microbatches (1F1B keeps 2 on stage 0 at pp=2)")
 p.add_argument("--yappi", type=int, default=0)
+p.add_argument("--sleeps-by-thread", action="store_true", help="print each thread's sleeps a microbatch")
 args = p.parse_args()
 M = args.micro
 
@@ -57,20 +58,57 @@ def profile(step):
                         f"{s.module.split('site-packages/')[-1]}:{s.lineno} {s.name}\n")
 
 
+def sleeps_by_thread():
+    """Each live thread's sleeps so far (voluntary context switches), by native thread id: each
+    is a wait that another thread's wake-up ended, the hand-offs a schedule makes."""
+    import glob
+    counts = {}
+    for status in glob.glob("/proc/self/task/*/status"):
+        try:
+            with open(status) as f:
+                counts[int(status.split("/")[-2])] = sum(
+                    int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return counts
+
+
+def thread_names():
+    import threading
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {}
+    for tid in sleeps_by_thread():
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            comm = "?"
+        out[tid] = names.get(tid, f"native:{comm}")
+    return out
+
+
 def run(name, step):
     for _ in range(3):
         step()
     if args.yappi and name == "smp":
         return profile(step)
     dist.barrier(group=gloo)
-    n, t0, c0 = 0, time.perf_counter(), time.process_time()
+    n, t0, c0, s0 = 0, time.perf_counter(), time.process_time(), sleeps_by_thread()
     while time.perf_counter() - t0 < args.seconds:
         step()
         n += 1
     # Every rank runs as many steps: they follow the pipeline, which the slowest paces.
     wall, cpu = (time.perf_counter() - t0) / n * 1e3, (time.process_time() - c0) / n * 1e3
-    print(f"{name} rank {rank}: {wall:.1f} ms a step, CPU {cpu:.1f} ms a step, {cpu / M:.2f} ms a microbatch "
-          f"({n} steps)", flush=True)
+    s1 = sleeps_by_thread()
+    delta = {tid: c - s0.get(tid, 0) for tid, c in s1.items()}
+    sleeps = sum(delta.values()) / n / M
+    if args.sleeps_by_thread:
+        names = thread_names()
+        for tid, d in sorted(delta.items(), key=lambda kv: -kv[1]):
+            if d:
+                print(f"  {name} rank {rank} {names.get(tid, tid)}: {d / n / M:.2f} sleeps a microbatch")
+    print(f"{name} rank {rank}: {wall:.1f} ms a step, CPU {cpu:.1f} ms a step, {cpu / M:.2f} ms a microbatch, "
+          f"{sleeps:.1f} thread sleeps a microbatch ({n} steps)", flush=True)
 
 
 if "torch" in args.only:

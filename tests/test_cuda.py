@@ -27,7 +27,7 @@ needs_a_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
 needs_four_gpus = pytest.mark.skipif(GPUS < 4, reason="needs 4 CUDA GPUs")
 # A pipeline of 2 stages runs on one GPU too: both ranks share it and their link carries CUDA
 # tensors through host memory (NCCL refuses two ranks on one device); on 2 GPUs, through NCCL.
-SHARED_GPU = GPUS == 1
+SHARED_GPU = GPUS == 1  # (a 2-stage pipeline's ranks share it)
 WORLD = min(max(GPUS, 2), 4)  # one rank per GPU, up to 4
 
 
@@ -293,13 +293,16 @@ def test_cuda_modelparallel_smp_optimizers_train_like_one_gpu(procs, parts, name
 
 
 @needs_a_gpu
-@pytest.mark.parametrize("model, mode, pipeline, defer", [
-    ("enc", "auto", "interleaved", False), ("enc", "auto", "simple", False), ("seq", "auto", "interleaved", False),
-    ("skip", "manual", "simple", False), ("resid", "manual", "interleaved", False),
-    ("enc", "auto", "interleaved", True), ("enc", "auto", "simple", True), ("skip", "manual", "simple", True),
-    ("resid", "manual", "interleaved", True), ("seqreuse", "manual", "interleaved", False),
-    ("seqreuse", "manual", "simple", True)])
-def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipeline, defer):
+@pytest.mark.parametrize("model, mode, pipeline, defer, parts", [
+    ("enc", "auto", "interleaved", False, 2), ("enc", "auto", "simple", False, 2),
+    ("seq", "auto", "interleaved", False, 2),
+    ("skip", "manual", "simple", False, 2), ("resid", "manual", "interleaved", False, 2),
+    ("enc", "auto", "interleaved", True, 2), ("enc", "auto", "simple", True, 2), ("skip", "manual", "simple", True, 2),
+    ("resid", "manual", "interleaved", True, 2), ("seqreuse", "manual", "interleaved", False, 2),
+    ("seqreuse", "manual", "simple", True, 2),
+    ("enc", "auto", "interleaved", False, 4), ("enc", "auto", "interleaved", True, 4),
+    ("seq", "auto", "simple", False, 4)])
+def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipeline, defer, parts):
     """SMDDP_SMP_CUDA_GRAPHS=1: each stage's Sequential runs are captured after two eager runs
     and replayed, one instance per microbatch in flight; 6 steps of 4 microbatches (captures,
     then replays, in both schedules) train as one GPU does. The encoder stack puts attention
@@ -308,10 +311,12 @@ def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipelin
     "seqreuse" calls one Linear twice in each stage's run (its capture once left the Linear
     holding a detached alias of its weight instead of the parameter: silently untrained).
     `defer`: SMDDP_SMP_DEFER_WEIGHT_GRADS=1, runs whose input needs a gradient replay their
-    weight pass after the input gradients' message is made (the encoder's second stage)."""
+    weight pass after the input gradients' message is made (the encoder's second stage).
+    `parts` 4: graphed runs in a chain's hops (stage to stage), deferred weight passes on
+    stages 1-3."""
     env = {"SMDDP_SMP_CUDA_GRAPHS": "1", "SMDDP_SMP_P2P_MAX_CTAS": "1", "SMDDP_SMP_DEFER_WEIGHT_GRADS": str(int(defer))}
-    results = run_world(2, "smp_pipeline.py", [model, mode, pipeline, "2", "4", "6"], gpus=True, timeout=300,
-                        env=env)
+    results = run_world(parts, "smp_pipeline.py", [model, mode, pipeline, str(parts), "4", "6"], gpus=True,
+                        timeout=300, env=env)
     assert_all_ok(results)
     reports = [r.event("trained") for r in results]
     for report in reports:
@@ -322,16 +327,18 @@ def test_cuda_modelparallel_stage_graphs_train_like_one_gpu(model, mode, pipelin
         # Every instance of a run writes its parameters' gradients into the run's one buffer set.
         layout = report["graph_layout"]
         assert layout["grad_buffer_sets"] == layout["runs"] <= layout["instances"], layout
-        assert set(report["link_ctas"].values()) == (set() if SHARED_GPU else {1}), report["link_ctas"]
+        assert set(report["link_ctas"].values()) <= {1}, report["link_ctas"]  # where a link uses NCCL
+        if parts == 2 and not SHARED_GPU:
+            assert set(report["link_ctas"].values()) == {1}, report["link_ctas"]
     splits = [r["graphs"]["split_captures"] for r in reports]
     if not defer:
-        assert splits == [0, 0], splits
+        assert splits == [0] * parts, splits
     elif model == "enc":  # the first stage's input needs no gradient: nothing to send earlier
-        assert splits[0] == 0 and splits[1] > 0, splits
+        assert splits[0] == 0 and all(n > 0 for n in splits[1:]), splits
     replays = [r["graphs"]["replays"] for r in reports]
     # The skip model's only Sequential is on rank 1, the resid model's on rank 0; the others
     # have one on each rank.
-    expected = {"skip": [False, True], "resid": [True, False]}.get(model, [True, True])
+    expected = {"skip": [False, True], "resid": [True, False]}.get(model, [True] * parts)
     assert [n > 0 for n in replays] == expected, [r["graphs"] for r in reports]
     if pipeline == "simple":  # 4 microbatches in flight: several instances share one buffer set
         assert max(r["graph_layout"]["instances"] - r["graph_layout"]["runs"] for r in reports) > 0, reports

@@ -108,6 +108,18 @@ def test_cuda_disagreeing_ranks_raise_on_every_rank(case, expected):
             assert fragment in raised[0], r.output
 
 
+@needs_a_gpu
+def test_cuda_ranks_on_one_gpu_get_a_clear_error():
+    """NCCL refuses a communicator with two ranks on one device ('invalid usage'); smddp says so
+    first, on every rank, naming the ranks."""
+    results = run_world(2, "torch_cuda_errors.py", ["shared-gpu"], env={"CUDA_VISIBLE_DEVICES": "0"}, gpus=True,
+                        timeout=120)
+    assert_all_ok(results)
+    for r in results:
+        raised = [line for line in r.stdout.splitlines() if line.startswith("RAISED:")]
+        assert raised and "ranks 0, 1 of this group are on one GPU" in raised[0], r.output
+
+
 @needs_two_gpus
 @pytest.mark.parametrize("backlog", ["1024", "0"])
 def test_cuda_rank_far_ahead_queues_its_checks_not_its_collectives(backlog):

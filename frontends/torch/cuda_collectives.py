@@ -99,6 +99,25 @@ class CudaWork(dist.Work):
         return future
 
 
+def _refuse_shared_gpus(store, key: str, rank: int, size: int, device: torch.device) -> None:
+    """A clear error, on every rank, when two ranks of the group are on one GPU: NCCL refuses
+    such a communicator with a bare 'invalid usage' (found by its device UUID, which ranks that
+    see different device indices still share). Each rank posts its GPU and reads the others'
+    through the group's store, once per communicator."""
+    mine = str(torch.cuda.get_device_properties(device).uuid)
+    store.set(f"{key}/gpu/{rank}", mine)
+    on = {}
+    for r in range(size):
+        gpu = mine if r == rank else store.get(f"{key}/gpu/{r}").decode()
+        on.setdefault(gpu, []).append(r)
+    shared = [ranks for ranks in on.values() if len(ranks) > 1]
+    if shared:
+        pairs = "; ".join(", ".join(map(str, ranks)) for ranks in shared)
+        raise RuntimeError(f"smddp: ranks {pairs} of this group are on one GPU, and NCCL runs no collective "
+                           "between two ranks of one device. Give each rank its own GPU (as many GPUs as ranks on "
+                           "a host, each rank on torch.cuda.set_device(local_rank)), or use CPU tensors")
+
+
 class CudaCollectives:
     """One NCCL communicator of a process group, on one device."""
 
@@ -107,6 +126,7 @@ class CudaCollectives:
         reason = nccl_unavailable_reason()
         if reason:
             raise RuntimeError(f"smddp: CUDA tensors need NCCL: {reason}")
+        _refuse_shared_gpus(store, key, rank, size, device)
         if rank == 0:
             store.set(key, _core.nccl_unique_id())
         unique_id = store.get(key)

@@ -1,6 +1,6 @@
 """Bad calls on CUDA tensors raise on every rank, naming what is wrong, instead of hanging NCCL.
 
-Usage: torch_cuda_errors.py shape | dtype | root | dead | ahead | ahead-shape. Each rank prints
+Usage: torch_cuda_errors.py shape | dtype | root | dead | ahead | ahead-shape | shared-gpu. Each rank prints
 "RAISED: <message>"; "ahead" (no error: one rank runs far ahead of the other) prints
 "AHEAD OK deferred=<checks queued> waits=<checks the caller waited for>".
 """
@@ -64,6 +64,14 @@ def main(case):
     dist.init_process_group(backend="smddp")
     use_test_device()
     me = dist.get_rank()
+    if case == "shared-gpu":  # every rank on one GPU (the test sets CUDA_VISIBLE_DEVICES)
+        try:
+            dist.all_reduce(torch.ones(8))
+        except RuntimeError as e:
+            print("RAISED:", str(e).replace("\n", " "), flush=True)
+            dist.destroy_process_group()
+            return
+        raise AssertionError("a collective between two ranks of one GPU did not raise")
     dist.all_reduce(torch.ones(8))  # the communicator is up on every rank
     torch.cuda.synchronize()
     if case == "shape":

@@ -31,6 +31,11 @@ SHARED_GPU = GPUS == 1  # (a 2-stage pipeline's ranks share it)
 WORLD = min(max(GPUS, 2), 4)  # one rank per GPU, up to 4
 
 
+def _raised(result):
+    """The "RAISED: <message>" lines a worker of torch_cuda_errors.py printed."""
+    return [line for line in result.stdout.splitlines() if line.startswith("RAISED:")]
+
+
 def test_no_nccl_is_a_clear_error_not_a_crash():
     """Without NCCL the core says so, and why, instead of failing at import or crashing."""
     env = dict(os.environ, SMDDP_NCCL_LIBRARY="/nonexistent/libnccl.so.2")
@@ -102,7 +107,7 @@ def test_cuda_disagreeing_ranks_raise_on_every_rank(case, expected):
     results = run_world(2, "torch_cuda_errors.py", [case], env={"SMDDP_TIMEOUT": "20"}, gpus=True, timeout=120)
     assert_all_ok(results)
     for r in results:
-        raised = [line for line in r.stdout.splitlines() if line.startswith("RAISED:")]
+        raised = _raised(r)
         assert raised, r.output
         for fragment in expected:
             assert fragment in raised[0], r.output
@@ -116,7 +121,7 @@ def test_cuda_ranks_on_one_gpu_get_a_clear_error():
                         timeout=120)
     assert_all_ok(results)
     for r in results:
-        raised = [line for line in r.stdout.splitlines() if line.startswith("RAISED:")]
+        raised = _raised(r)
         assert raised and "ranks 0, 1 of this group are on one GPU" in raised[0], r.output
 
 
@@ -144,7 +149,7 @@ def test_cuda_mismatch_behind_queued_checks_raises_on_every_rank():
                         timeout=120)
     assert_all_ok(results)
     for r in results:
-        raised = [line for line in r.stdout.splitlines() if line.startswith("RAISED:")]
+        raised = _raised(r)
         assert raised and "disagree on the shape" in raised[0], r.output
 
 

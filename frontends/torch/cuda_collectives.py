@@ -99,12 +99,17 @@ class CudaWork(dist.Work):
         return future
 
 
+def gpu_identity(device: torch.device) -> str:
+    """What tells two ranks' GPUs apart: the device's UUID (ranks that see different device
+    indices, CUDA_VISIBLE_DEVICES set per rank, can still be on one GPU)."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
 def _refuse_shared_gpus(store, key: str, rank: int, size: int, device: torch.device) -> None:
     """A clear error, on every rank, when two ranks of the group are on one GPU: NCCL refuses
-    such a communicator with a bare 'invalid usage' (found by its device UUID, which ranks that
-    see different device indices still share). Each rank posts its GPU and reads the others'
+    such a communicator with a bare 'invalid usage'. Each rank posts its GPU and reads the others'
     through the group's store, once per communicator."""
-    mine = str(torch.cuda.get_device_properties(device).uuid)
+    mine = gpu_identity(device)
     store.set(f"{key}/gpu/{rank}", mine)
     on = {}
     for r in range(size):

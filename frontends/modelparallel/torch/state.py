@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from smdistributed.common import config as knobs
+from smdistributed.dataparallel.torch.cuda_collectives import gpu_identity
 from smdistributed.dataparallel.torch.process_group import smddp_group
 
 from .config import Config, resolve
@@ -142,10 +143,8 @@ def init(config: Optional[Dict[str, Any]] = None) -> None:
 
 
 def _gpu_of_every_rank() -> list:
-    """Each global rank's GPU, by the device's UUID: ranks that see different device indices
-    (CUDA_VISIBLE_DEVICES set per rank) can still be on one GPU, and ranks on different hosts
-    never are."""
-    mine = str(torch.cuda.get_device_properties(device()).uuid)
+    """Each global rank's GPU, as smddp tells GPUs apart (gpu_identity)."""
+    mine = gpu_identity(device())
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return every

@@ -288,20 +288,18 @@ class Links:
         ready = None
         staged = (src, self._me) in self._host_staged
         for s in specs:
-            if s.on_cuda and staged:
-                host = torch.empty(s.shape, dtype=s.dtype)
-                self._group.recv([_as_sendable(host)], frm, TAG_PAYLOAD).wait()
+            if s.on_cuda:
+                if staged:  # a host copy on the pipeline group, made again on this GPU below
+                    host = torch.empty(s.shape, dtype=s.dtype)
+                    self._group.recv([_as_sendable(host)], frm, TAG_PAYLOAD).wait()
                 stream = self._recv_streams[src]
                 with cuda_streams.running_on(stream):
-                    t = host.to(self._device)
-                ready = torch.cuda.Event()
-                ready.record(stream)
-            elif s.on_cuda:
-                stream = self._recv_streams[src]
-                with cuda_streams.running_on(stream):
-                    t = torch.empty(s.shape, dtype=s.dtype, device=self._device)
-                    group, rank_there = self._cuda_group(src, self._me, peer)
-                    group.recv([_as_sendable(t)], rank_there, 0).wait()
+                    if staged:
+                        t = host.to(self._device)
+                    else:
+                        t = torch.empty(s.shape, dtype=s.dtype, device=self._device)
+                        group, rank_there = self._cuda_group(src, self._me, peer)
+                        group.recv([_as_sendable(t)], rank_there, 0).wait()
                 ready = torch.cuda.Event()
                 ready.record(stream)
             else:

@@ -113,12 +113,52 @@ def test_cuda_disagreeing_ranks_raise_on_every_rank(case, expected):
             assert fragment in raised[0], r.output
 
 
+ONE_GPU = {"CUDA_VISIBLE_DEVICES": "0"}  # every rank on the first GPU, whatever the machine has
+
+
 @needs_a_gpu
-def test_cuda_ranks_on_one_gpu_get_a_clear_error():
-    """NCCL refuses a communicator with two ranks on one device ('invalid usage'); smddp says so
-    first, on every rank, naming the ranks."""
-    results = run_world(2, "torch_cuda_errors.py", ["shared-gpu"], env={"CUDA_VISIBLE_DEVICES": "0"}, gpus=True,
-                        timeout=120)
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_cuda_collectives_of_ranks_on_one_gpu_go_through_host(backend):
+    """NCCL runs nothing between two ranks of one GPU, so the group's collectives on CUDA
+    tensors go through host memory: the CPU suite's worker, 3 ranks on one GPU, every collective
+    x dtype x async mode, every element checked, under both forms of the backend."""
+    env = dict(ONE_GPU, SMDDP_TORCH_BACKEND=backend)
+    results = run_world(3, "torch_collectives.py", gpus=True, env=env, timeout=600)
+    assert_all_ok(results)
+    for r in results:
+        checked = r.events("checked")
+        assert len(checked) == 9 and all(c["ok"] and c["device"] == "cuda" for c in checked), r.output
+    assert "share one GPU" in results[0].stderr, results[0].stderr[-2000:]  # rank 0 warns once
+
+
+@needs_a_gpu
+def test_cuda_ddp_of_ranks_on_one_gpu_matches_single_process():
+    """torch DDP over smddp, 3 ranks on one GPU (gradient hooks and futures through host
+    memory): the same parameters as one process, in every DDP variant."""
+    from test_torch_ddp import DDP_VARIANTS
+
+    results = run_world(3, "torch_ddp.py", DDP_VARIANTS, gpus=True, env=ONE_GPU, timeout=600)
+    assert_all_ok(results)
+    for r in results:
+        assert "DDP OK" in r.stdout, r.output
+
+
+@needs_a_gpu
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_cpu_collectives_while_the_default_device_is_cuda(backend):
+    """torch.set_default_device("cuda") in a script: CPU gathers and all_to_all still stage in
+    host memory (the engine was handed GPU pointers before, and the ranks crashed)."""
+    env = {"SMDDP_TORCH_BACKEND": backend}
+    results = run_world(2, "torch_default_device.py", ["cuda"], gpus=True, env=env, timeout=120)
+    assert_all_ok(results)
+    assert all("DEFAULT DEVICE OK" in r.stdout for r in results)
+
+
+@needs_a_gpu
+def test_cuda_older_ddp_on_one_gpu_gets_a_clear_error():
+    """The older API's DistributedDataParallel makes its own NCCL communicator, which NCCL refuses
+    for two ranks of one device ('invalid usage'); smddp says so first, on every rank."""
+    results = run_world(2, "torch_cuda_errors.py", ["shared-gpu"], env=ONE_GPU, gpus=True, timeout=120)
     assert_all_ok(results)
     for r in results:
         raised = _raised(r)
@@ -250,10 +290,10 @@ def test_cuda_hugging_face_trainer_with_sagemaker_switch(tmp_path):
 
 # (processes, partitions): pp=2 on 2 GPUs; on 4 GPUs, pp=2 x dp=2 and pp=4 (the 4-GPU layouts
 # skip on a 2-GPU machine).
-# pp4 runs on any number of GPUs: ranks on one GPU (rank % GPUs) link through host memory. The
-# replicas' gradient reduction of pp2 x dp2 needs NCCL between them, so a GPU each.
+# Every layout runs on any number of GPUs: ranks on one GPU (rank % GPUs) link through host
+# memory, and their groups' collectives (the replicas' gradients, tied weights) go through it too.
 GPU_LAYOUTS = [pytest.param(2, 2, id="pp2"),
-               pytest.param(4, 2, id="pp2xdp2", marks=needs_four_gpus),
+               pytest.param(4, 2, id="pp2xdp2"),
                pytest.param(4, 4, id="pp4")]
 
 
@@ -295,7 +335,7 @@ def test_cuda_modelparallel_pipeline_trains_like_one_gpu(procs, parts, model, mo
         assert hops == {0: 0, 1: 20, 2: 20, 3: 0}, hops
 
 
-@needs_two_gpus
+@needs_a_gpu
 @pytest.mark.parametrize("procs, parts", GPU_LAYOUTS[:2])
 @pytest.mark.parametrize("name", ["lamb", "novograd"])
 def test_cuda_modelparallel_smp_optimizers_train_like_one_gpu(procs, parts, name):
@@ -693,9 +733,9 @@ def test_cuda_modelparallel_seed_002_script(procs, script, params, tmp_path):
     assert proc.stdout.count(" loss ") == 2 * procs, proc.stdout  # two logged batches on every rank
 
 
-@needs_two_gpus
+@needs_a_gpu
 def test_cuda_modelparallel_checkpoints_resume_the_same_training(tmp_path):
-    """Two pipeline stages on two GPUs: partial and full checkpoints (model and Adam state,
+    """Two pipeline stages (on two GPUs, or sharing one): partial and full checkpoints (model and Adam state,
     saved from GPU partitions) resume the same training bitwise, as on CPU."""
     runs = {}
     for phase in ("first", "resume_partial", "resume_full"):

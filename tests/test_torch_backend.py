@@ -168,6 +168,16 @@ def test_split_groups_agree_on_their_keys():
     assert all("SPLIT OK" in r.stdout for r in results)
 
 
+@pytest.mark.parametrize("backend", ["native", "python"])
+def test_cpu_collectives_while_the_default_device_is_elsewhere(backend):
+    """torch.set_default_device to another device ("meta" here; "cuda" in scripts, run by the
+    CUDA suite) must not put the backend's staging buffers there: CPU gathers, all_to_all,
+    scatter and the object helpers give exact results."""
+    results = run_world(3, "torch_default_device.py", ["meta"], env={"SMDDP_TORCH_BACKEND": backend}, timeout=120)
+    assert_all_ok(results)
+    assert all("DEFAULT DEVICE OK" in r.stdout for r in results)
+
+
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_per_device_backend_api(nranks):
     """init_process_group(device_id=), _get_backend per device, new_group, 1-D and 2-D DeviceMesh

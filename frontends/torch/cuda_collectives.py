@@ -105,17 +105,25 @@ def gpu_identity(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def _refuse_shared_gpus(store, key: str, rank: int, size: int, device: torch.device) -> None:
-    """A clear error, on every rank, when two ranks of the group are on one GPU: NCCL refuses
-    such a communicator with a bare 'invalid usage'. Each rank posts its GPU and reads the others'
-    through the group's store, once per communicator."""
+def ranks_sharing_gpus(store, key: str, rank: int, size: int, device: torch.device) -> List[List[int]]:
+    """The sets of this group's ranks that are on one GPU (empty when each has its own). Each
+    rank posts its GPU and reads the others' through the group's store: every rank of the group
+    must call it, at the same point (its first CUDA collective)."""
     mine = gpu_identity(device)
     store.set(f"{key}/gpu/{rank}", mine)
     on = {}
     for r in range(size):
         gpu = mine if r == rank else store.get(f"{key}/gpu/{r}").decode()
         on.setdefault(gpu, []).append(r)
-    shared = [ranks for ranks in on.values() if len(ranks) > 1]
+    return [ranks for ranks in on.values() if len(ranks) > 1]
+
+
+def _refuse_shared_gpus(store, key: str, rank: int, size: int, device: torch.device) -> None:
+    """A clear error, on every rank, when two ranks of the group are on one GPU: NCCL refuses
+    such a communicator with a bare 'invalid usage'. (The process group stages such groups'
+    collectives through host memory instead, host_staging.py; the older DistributedDataParallel,
+    which makes its own communicator, raises this.)"""
+    shared = ranks_sharing_gpus(store, key, rank, size, device)
     if shared:
         pairs = "; ".join(", ".join(map(str, ranks)) for ranks in shared)
         raise RuntimeError(f"smddp: ranks {pairs} of this group are on one GPU, and NCCL runs no collective "

@@ -412,7 +412,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     received = [int(r) for r in recv.tolist()]
     out = tensor.new_empty((sum(received),) + tuple(tensor.shape[1:]))
     work = dist.all_to_all_single(out, tensor.contiguous(), received, splits, async_op=True)
-    received_t = torch.tensor(received, dtype=torch.int32)
+    received_t = torch.tensor(received, dtype=torch.int32, device="cpu")
     return _register([work], lambda: (out, received_t) if given else out)
 
 
@@ -473,10 +473,10 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     _check_process_set(process_set)
     _check_root(root_rank)
     payload = pickle.dumps(obj) if rank() == root_rank else b""
-    length = torch.tensor([len(payload)], dtype=torch.int64)
+    length = torch.tensor([len(payload)], dtype=torch.int64, device="cpu")
     dist.broadcast(length, root_rank)
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(
-        int(length.item()), dtype=torch.uint8)
+        int(length.item()), dtype=torch.uint8, device="cpu")
     dist.broadcast(data, root_rank)
     return obj if rank() == root_rank else pickle.loads(data.numpy().tobytes())
 

@@ -7,6 +7,7 @@ across ranks by a per-group sequence number, the order torch.distributed already
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import secrets
@@ -24,7 +25,8 @@ from smdistributed.common.discovery import WorldInfo
 from smdistributed.common.engine import Core
 
 from . import collective_args as args
-from .cuda_collectives import CudaCollectives
+from . import host_staging
+from .cuda_collectives import CudaCollectives, ranks_sharing_gpus
 from .tensors import contiguous, core_dtype, core_op, nbytes, on_cuda
 from .work import CompletionThread, SmddpWork
 
@@ -76,6 +78,22 @@ def _root(opts) -> int:
     return opts.rootRank if opts is not None else 0
 
 
+def _staged_when_ranks_share_a_gpu(method):
+    """A collective whose CUDA tensors go through host memory when the group's ranks share a
+    GPU (host_staging.py); else the method as written (NCCL for CUDA tensors)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self, *a, **kw):
+        if self._gpus_shared is not False:  # not known to have a GPU each (CPU-only groups scan their args)
+            cuda = host_staging.cuda_tensors(a)
+            if cuda and self._share_gpus(cuda[0].device):
+                return host_staging.run(self, method, name, a, kw)
+        return method(self, *a, **kw)
+
+    return call
+
+
 class WorldLayout(NamedTuple):
     local_rank: int
     local_size: int
@@ -100,6 +118,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         self._seq_lock = threading.Lock()
         self._completion_thread = None
         self._cuda_collectives = None
+        self._gpus_shared: Optional[bool] = None  # known at the first CUDA collective
         self._cuda_checks = os.environ.get("SMDDP_CUDA_CHECKS", "1") != "0"
         self._nccl_max_ctas: Optional[int] = None  # None: SMDDP_NCCL_MAX_CTAS, else NCCL's choice
         # Splits made so far per member set: counted per members, not per call, because a rank
@@ -149,7 +168,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     def _native_cuda(self, tensor: torch.Tensor):
         """(NcclGroup, stream id, device index, device type) of the group's communicator,
-        made on `tensor`'s device if this is the group's first CUDA collective."""
+        made on `tensor`'s device if this is the group's first CUDA collective; None when the
+        group's ranks share a GPU (the Backend then hands every CUDA call to this class)."""
+        if self._share_gpus(tensor.device):
+            return None
         gpu = self._cuda([tensor], "collective")
         s = gpu.stream
         return gpu.nccl, s.stream_id, s.device_index, s.device_type
@@ -195,6 +217,16 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             self._completion_thread = CompletionThread(self._engine)
         return self._completion_thread
 
+    def _share_gpus(self, device: torch.device) -> bool:
+        """Whether ranks of this group share a GPU (asked of every rank at its first CUDA
+        collective; then known): their CUDA collectives go through host memory."""
+        if self._gpus_shared is None:
+            sharing = ranks_sharing_gpus(self._store, "smddp/gpus", self.rank(), self.size(), device)
+            self._gpus_shared = bool(sharing)
+            if sharing:
+                host_staging.warn_once(self.rank(), sharing)
+        return self._gpus_shared
+
     def _cuda(self, tensors, what: str):
         """The group's NCCL side when the call's tensors are CUDA tensors, else None. The
         communicator is made on first use, on the device of that call's tensors."""
@@ -233,6 +265,9 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
     def _submit(self, op, kind, inp: torch.Tensor, out, *, shape=None, reduce=SUM, root=0,
                 splits=(), per_rank=(), name=None) -> int:
         self._orphans.sweep()
+        for t in (inp, out):
+            if t is not None and t.device.type != "cpu":  # the engine reads and writes host memory only
+                raise RuntimeError(f"smddp {kind}: internal error: a buffer on {t.device} reached the CPU engine")
         return self._engine.submit(
             op=op, name=name or self._name(kind), in_ptr=inp.data_ptr(),
             out_ptr=0 if out is None else out.data_ptr(), count=inp.numel(),
@@ -248,6 +283,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return (lambda: [f() for f in fns]) if fns else None
 
     # -- collectives ------------------------------------------------------------------------
+    @_staged_when_ranks_share_a_gpu
     def allreduce(self, tensors: List[torch.Tensor], opts=None):
         if len(tensors) == 1 and self._cuda_collectives is not None and tensors[0].is_cuda:
             return self._cuda_collectives.allreduce_one(tensors[0], _reduce_op(opts))
@@ -261,10 +297,12 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             backs.append(back)
         return SmddpWork(self, handles, tensors, self._chain(*backs))
 
+    @_staged_when_ranks_share_a_gpu
     def allreduce_coalesced(self, tensors: List[torch.Tensor], opts=None):
         # Submitted together, so the engine fuses them into as few transfers as fit.
         return self.allreduce(tensors, opts)
 
+    @_staged_when_ranks_share_a_gpu
     def broadcast(self, tensors: List[torch.Tensor], opts=None):
         if (gpu := self._cuda(tensors, "broadcast")) is not None:
             return gpu.broadcast(tensors, _root(opts))
@@ -275,6 +313,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             backs.append(back)
         return SmddpWork(self, handles, tensors, self._chain(*backs))
 
+    @_staged_when_ranks_share_a_gpu
     def reduce(self, tensors: List[torch.Tensor], opts=None):
         if (gpu := self._cuda(tensors, "reduce")) is not None:
             return gpu.reduce(tensors, _reduce_op(opts), _root(opts))
@@ -291,6 +330,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return self._submit(OpType.ALLGATHER, "allgather", flat_in, out_flat, shape=[flat_in.numel()],
                             per_rank=[flat_in.numel(), *expected]), flat_in
 
+    @_staged_when_ranks_share_a_gpu
     def allgather(self, output_tensors: List[List[torch.Tensor]], input_tensors: List[torch.Tensor],
                   opts=None):
         outs, inp = output_tensors[0], input_tensors[0]
@@ -301,7 +341,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             contiguous(o, "all_gather output")
         args.one_per_rank(outs, self.size(), "all_gather", "output")
         args.same_dtype([inp, *outs], "all_gather")
-        flat = torch.empty(sum(o.numel() for o in outs), dtype=inp.dtype)
+        flat = torch.empty(sum(o.numel() for o in outs), dtype=inp.dtype, device="cpu")
         h, flat_in = self._allgather_flat(inp, flat, [o.numel() for o in outs])
 
         def scatter_back():
@@ -312,6 +352,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
         return SmddpWork(self, [h], output_tensors, scatter_back, keep=flat_in)
 
+    @_staged_when_ranks_share_a_gpu
     def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None):
         if (gpu := self._cuda([output, inp], "all_gather_into_tensor")) is not None:
             return gpu.all_gather_into_tensor([(output, inp)])
@@ -329,11 +370,13 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self, [h for w in works for h in w._pending], outputs,
                          self._chain(*[w._finish for w in works]), keep=[w._keep for w in works])
 
+    @_staged_when_ranks_share_a_gpu
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         if (gpu := self._cuda([*outputs, *inputs], "all_gather_into_tensor_coalesced")) is not None:
             return gpu.all_gather_into_tensor(list(zip(outputs, inputs)))
         return self._coalesced(self.all_gather_single, outputs, inputs, opts)
 
+    @_staged_when_ranks_share_a_gpu
     def reduce_scatter(self, output_tensors: List[torch.Tensor], input_lists: List[List[torch.Tensor]],
                        opts=None):
         out, ins = output_tensors[0], input_lists[0]
@@ -348,6 +391,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
                          splits=counts, shape=[flat.numel()])
         return SmddpWork(self, [h], output_tensors, self._chain(back, lambda: flat))
 
+    @_staged_when_ranks_share_a_gpu
     def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts=None):
         if (gpu := self._cuda([output, inp], "reduce_scatter_tensor")) is not None:
             return gpu.reduce_scatter_tensor([(output, inp)], _reduce_op(opts))
@@ -360,11 +404,13 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @_staged_when_ranks_share_a_gpu
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         if (gpu := self._cuda([*outputs, *inputs], "reduce_scatter_tensor_coalesced")) is not None:
             return gpu.reduce_scatter_tensor(list(zip(outputs, inputs)), _reduce_op(opts))
         return self._coalesced(self.reduce_scatter_single, outputs, inputs, opts)
 
+    @_staged_when_ranks_share_a_gpu
     def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes, input_split_sizes,
                           opts=None):
         P = self.size()
@@ -384,6 +430,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
+    @_staged_when_ranks_share_a_gpu
     def alltoall(self, output_tensors: List[torch.Tensor], input_tensors: List[torch.Tensor],
                  opts=None):
         if (gpu := self._cuda([*output_tensors, *input_tensors], "all_to_all")) is not None:
@@ -392,7 +439,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         args.one_per_rank(output_tensors, self.size(), "all_to_all", "output")
         args.same_dtype([*input_tensors, *output_tensors], "all_to_all")
         flat_in = torch.cat([t.reshape(-1) for t in input_tensors])
-        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype)
+        flat_out = torch.empty(sum(t.numel() for t in output_tensors), dtype=flat_in.dtype, device="cpu")
         h = self._submit(OpType.ALLTOALL, "alltoall", flat_in, flat_out, shape=[flat_in.numel()],
                          per_rank=[t.numel() for t in input_tensors] + [t.numel() for t in output_tensors])
 
@@ -405,9 +452,10 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
         return SmddpWork(self, [h], output_tensors, unpack, keep=flat_in)
 
     def barrier(self, opts=None):
-        dummy = torch.empty(0, dtype=torch.uint8)
+        dummy = torch.empty(0, dtype=torch.uint8, device="cpu")
         return SmddpWork(self, [self._submit(OpType.BARRIER, "barrier", dummy, None)], [], keep=dummy)
 
+    @_staged_when_ranks_share_a_gpu
     def gather(self, output_lists, input_tensors, opts=None):
         outs = output_lists[0] if output_lists else []
         if (gpu := self._cuda([*input_tensors, *outs], "gather")) is not None:
@@ -418,7 +466,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             args.one_per_rank(outs, self.size(), "gather", "output")
             args.each_numel(outs, inp.numel(), "gather", "output")
             args.same_dtype([inp, *outs], "gather")
-        flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype)
+        flat = torch.empty(inp.numel() * self.size(), dtype=inp.dtype, device="cpu")
         h, flat_in = self._allgather_flat(inp, flat, [inp.numel()] * self.size())
         outs = output_lists[0] if self.rank() == _root(opts) else []
 
@@ -428,6 +476,7 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
 
         return SmddpWork(self, [h], output_lists, unpack, keep=flat_in)
 
+    @_staged_when_ranks_share_a_gpu
     def scatter(self, output_tensors, input_lists, opts=None):
         ins = input_lists[0] if input_lists else []
         if (gpu := self._cuda([*output_tensors, *ins], "scatter")) is not None:
@@ -439,17 +488,19 @@ class ProcessGroupSMDDP(dist.ProcessGroup):
             args.each_numel(ins, n, "scatter", "input")
             args.same_dtype([out, *ins], "scatter")
         flat = (torch.cat([t.reshape(-1) for t in input_lists[0]]) if self.rank() == _root(opts)
-                else torch.empty(n * self.size(), dtype=out.dtype))
+                else torch.empty(n * self.size(), dtype=out.dtype, device="cpu"))
         h = self._submit(OpType.BROADCAST, "scatter", flat, flat, root=_root(opts))
         me = self.rank()
         return SmddpWork(self, [h], output_tensors, lambda: out.copy_(flat[me * n:(me + 1) * n].view(out.shape)))
 
+    @_staged_when_ranks_share_a_gpu
     def send(self, tensors: List[torch.Tensor], dst: int, tag: int = 0):
         if (gpu := self._cuda(tensors, "send")) is not None:
             return gpu.send(tensors[0], dst)
         buf, _ = contiguous(tensors[0], "send")
         return SmddpWork(self, [self._engine.send(dst, tag, buf.data_ptr(), nbytes(buf))], tensors, keep=buf)
 
+    @_staged_when_ranks_share_a_gpu
     def recv(self, tensors: List[torch.Tensor], src: int, tag: int = 0):
         if (gpu := self._cuda(tensors, "recv")) is not None:
             return gpu.recv(tensors[0], src)

@@ -99,6 +99,14 @@ class SmddpWork(dist.Work):
         if pg is not None:
             pg._orphans.adopt(list(self._pending), (self._keep, self._finish))
 
+    def after_results(self, fn: Callable[[], None], restate: Callable) -> None:
+        """`fn` runs once the results are in this Work's tensors, before wait() returns or the
+        future completes; `restate` maps the value the future will hold. Only before anyone
+        waits (host_staging.py copies results back to the caller's GPU tensors this way)."""
+        earlier = self._finish
+        self._finish = fn if earlier is None else (lambda: (earlier(), fn()))
+        self._result = restate(self._result)
+
     # -- completion, from wait() or from the completion thread -----------------------------
     def _complete_handle(self, handle: int) -> None:
         try:

@@ -55,9 +55,9 @@ def build(seed):
 def main():
     smp.init({"partitions": PARTS, "microbatches": 2, "pipeline": "simple", "ddp": PROCS > PARTS})
     dev = torch.device("cpu")
-    if os.environ.get("SMDDP_TEST_DEVICE") == "cuda":  # one GPU per rank: the partitions live there
-        torch.cuda.set_device(smp.local_rank())
-        dev = torch.device("cuda", smp.local_rank())
+    if os.environ.get("SMDDP_TEST_DEVICE") == "cuda":  # a GPU per rank, or shared by ranks when fewer
+        dev = torch.device("cuda", smp.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
     model = smp.DistributedModel(build(1 if PHASE == "first" else 2))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
     ckpt, full = os.path.join(DIR, "checkpoint.pt"), os.path.join(DIR, "full.pt")

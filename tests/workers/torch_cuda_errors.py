@@ -65,13 +65,16 @@ def main(case):
     use_test_device()
     me = dist.get_rank()
     if case == "shared-gpu":  # every rank on one GPU (the test sets CUDA_VISIBLE_DEVICES)
+        # The process group stages such collectives through host memory; the older API's
+        # DistributedDataParallel makes its own NCCL communicator, and says why it cannot.
+        from smdistributed.dataparallel.torch.parallel import DistributedDataParallel
         try:
-            dist.all_reduce(torch.ones(8))
+            DistributedDataParallel(torch.nn.Linear(4, 4))
         except RuntimeError as e:
             print("RAISED:", str(e).replace("\n", " "), flush=True)
             dist.destroy_process_group()
             return
-        raise AssertionError("a collective between two ranks of one GPU did not raise")
+        raise AssertionError("the older DistributedDataParallel on two ranks of one GPU did not raise")
     dist.all_reduce(torch.ones(8))  # the communicator is up on every rank
     torch.cuda.synchronize()
     if case == "shape":

@@ -122,10 +122,16 @@ std::shared_ptr<EngineLink> BackendSMDDP::cpu() {
 
 std::shared_ptr<CudaLink> BackendSMDDP::cuda(const at::Tensor& t) {
   std::lock_guard<std::mutex> lock(links_mutex_);
-  if (!cuda_) {
+  if (!cuda_ && !cuda_staged_) {
     py::gil_scoped_acquire gil;
-    // (NcclGroup, stream id, device index, device type) of the communicator made for t's device.
-    py::tuple made = impl_.attr("_native_cuda")(t);
+    // (NcclGroup, stream id, device index, device type) of the communicator made for t's device,
+    // or None: the group's ranks share a GPU, and Python stages its calls through host memory.
+    py::object answer = impl_.attr("_native_cuda")(t);
+    if (answer.is_none()) {
+      cuda_staged_ = true;
+      return nullptr;
+    }
+    py::tuple made = answer;
     py::object group = made[0];
     c10::Stream stream = c10::Stream::unpack3(made[1].cast<int64_t>(), made[2].cast<c10::DeviceIndex>(),
                                               static_cast<c10::DeviceType>(made[3].cast<int>()));
@@ -229,7 +235,7 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::allreduce(std::vector<at::Tensor>& 
   if (tensors.size() == 1 && reduce >= 0 && plain(tensors[0], c10::DeviceType::CUDA) && !p2p_may_be_held_) {
     const at::Tensor& t = tensors[0];
     auto link = cuda(t);
-    if (t.device() == link->stream.device()) {
+    if (link && t.device() == link->stream.device()) {
       std::vector<int64_t> shape(t.sizes().begin(), t.sizes().end());
       ErrorText err;
       // Waits for the caller's stream, checks the arguments with the other ranks, runs NCCL.
@@ -263,7 +269,7 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::_allgather_base(at::Tensor& output,
               output.numel() == input.numel() * P;
   if (same && plain(output, c10::DeviceType::CUDA) && plain(input, c10::DeviceType::CUDA) && !p2p_may_be_held_) {
     auto link = cuda(input);
-    if (input.device() == link->stream.device() && output.device() == input.device()) {
+    if (link && input.device() == link->stream.device() && output.device() == input.device()) {
       std::vector<int64_t> shape = {input.numel(), 1};
       smddp_signature sig = signature(kAllgather, input, 0, shape, kNone);
       void* event = launch_nccl(link, "all_gather_into_tensor", sig, input.device(), [&](ErrorText& err) {
@@ -293,7 +299,7 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::_reduce_scatter_base(at::Tensor& ou
               input.numel() == output.numel() * P;
   if (same && plain(output, c10::DeviceType::CUDA) && plain(input, c10::DeviceType::CUDA) && !p2p_may_be_held_) {
     auto link = cuda(input);
-    if (input.device() == link->stream.device() && output.device() == input.device()) {
+    if (link && input.device() == link->stream.device() && output.device() == input.device()) {
       std::vector<int64_t> shape = {input.numel()};
       smddp_signature sig = signature(kReduceScatter, input, reduce, shape, kNone);
       void* event = launch_nccl(link, "reduce_scatter_tensor", sig, input.device(), [&](ErrorText& err) {
@@ -324,7 +330,7 @@ c10::intrusive_ptr<c10d::Work> BackendSMDDP::broadcast(std::vector<at::Tensor>& 
       opts.rootRank < getSize()) {
     const at::Tensor& t = tensors[0];
     auto link = cuda(t);
-    if (t.device() == link->stream.device()) {
+    if (link && t.device() == link->stream.device()) {
       std::vector<int64_t> shape = {t.numel()};
       smddp_signature sig = signature(kBroadcast, t, 0, shape, kNone);
       sig.root = int32_t(opts.rootRank);

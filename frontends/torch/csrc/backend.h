@@ -240,8 +240,9 @@ namespace __attribute__((visibility("hidden"))) smddp_torch {
     // Calls the Python implementation's method of the same name; its Work is returned as is.
     template <typename... Args>
     c10::intrusive_ptr<c10d::Work> delegate(const char* method, Args&&... args);
-    std::shared_ptr<EngineLink> cpu();                    // made on first use
-    std::shared_ptr<CudaLink> cuda(const at::Tensor& t);  // made on first use, on t's device
+    std::shared_ptr<EngineLink> cpu();  // made on first use
+    // Made on first use, on t's device; null when the group's ranks share a GPU (no NCCL there).
+    std::shared_ptr<CudaLink> cuda(const at::Tensor& t);
     std::string next_name(const char* kind);
     // A name that repeats from step to step (see backend.cc), waiting first for this rank's
     // previous operation of that name.
@@ -267,6 +268,7 @@ namespace __attribute__((visibility("hidden"))) smddp_torch {
     std::mutex links_mutex_;
     std::shared_ptr<EngineLink> cpu_;
     std::shared_ptr<CudaLink> cuda_;
+    bool cuda_staged_ = false;  // the ranks share a GPU: CUDA calls go to Python (host_staging.py)
     std::atomic<uint64_t> sequence_{0};
     std::mutex names_mutex_;
     std::unordered_map<std::string, uint64_t> occurrences_;                    // calls per kind

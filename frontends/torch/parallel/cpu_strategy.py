@@ -48,7 +48,8 @@ class _Bucket:
             self.unpack = None
             return grads[0]
         if self.flat is None:
-            self.flat = torch.empty(sum(p.numel() for p in self.params), dtype=self.params[0].dtype)
+            self.flat = torch.empty(sum(p.numel() for p in self.params), dtype=self.params[0].dtype,
+                                        device=self.params[0].device)
             offset = 0
             for p in self.params:
                 self.views.append(self.flat[offset:offset + p.numel()].view_as(p))

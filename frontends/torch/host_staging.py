@@ -1,0 +1,96 @@
+"""CUDA collectives of a group whose ranks share a GPU: through host memory and the CPU engine.
+
+NCCL runs nothing between two ranks of one device (a communicator with two ranks on one GPU
+fails with "invalid usage"), yet several processes on one GPU is how a script is tried on a
+workstation, and how a pipeline's stages share a small machine. So when a group's ranks
+share a GPU, its collectives on CUDA tensors do what gloo does with them: each call copies
+its CUDA tensors to host memory (after the work the caller's stream has queued on them), runs
+the group's CPU collective on the copies, and copies the results back into the caller's
+tensors before its Work completes. The engine negotiates and checks the call as for any CPU
+collective, so mismatches and dead peers raise the same errors. It is slower than NCCL, and
+correct; rank 0 warns once.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, List, Tuple
+
+import torch
+
+# A call's first argument is what it writes (in place, or its outputs), except for send.
+_READ_ONLY = {"send"}
+_warned = False
+
+
+def cuda_tensors(obj) -> List[torch.Tensor]:
+    """The CUDA tensors in a call's arguments (tensors, lists of them, lists of lists)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_cuda else []
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in cuda_tensors(item)]
+    return []
+
+
+def _to_host(obj, pairs: List[Tuple[torch.Tensor, torch.Tensor]]):
+    """`obj` with each CUDA tensor replaced by a host copy; (original, copy) appended to pairs."""
+    if isinstance(obj, torch.Tensor):
+        if not obj.is_cuda:
+            return obj
+        # .cpu() waits for the caller's current stream: the copy holds what the work queued
+        # before this call wrote.
+        host = obj.detach().cpu()
+        pairs.append((obj, host))
+        return host
+    if isinstance(obj, list):
+        return [_to_host(item, pairs) for item in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_host(item, pairs) for item in obj)
+    return obj
+
+
+def _copy_back(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """The host results into the caller's CUDA tensors, on the GPU before this returns: the
+    Work completes (and its future's readers run, on any stream) only after it."""
+    devices = set()
+    with torch.no_grad():
+        for original, host in pairs:
+            original.copy_(host)
+            devices.add(original.device)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
+def warn_once(rank: int, sharing: List[List[int]]) -> None:
+    global _warned
+    if _warned or rank != 0:
+        return
+    _warned = True
+    groups = "; ".join(", ".join(map(str, ranks)) for ranks in sharing)
+    warnings.warn(f"smddp: ranks {groups} of a process group share one GPU, where NCCL cannot run; that group's "
+                  "collectives on CUDA tensors go through host memory (correct, and slower than NCCL with one GPU "
+                  "per rank)", stacklevel=3)
+
+
+def _originals(obj, of_copy):
+    """`obj` (a Work's result) with each host copy replaced by the caller's tensor."""
+    if isinstance(obj, torch.Tensor):
+        return of_copy.get(id(obj), obj)
+    if isinstance(obj, list):
+        return [_originals(item, of_copy) for item in obj]
+    if isinstance(obj, tuple):
+        return tuple(_originals(item, of_copy) for item in obj)
+    return obj
+
+
+def run(pg, method: Callable, name: str, args: Tuple[Any, ...], kwargs) -> Any:
+    """Runs `method` (a collective of the process group `pg`) on host copies of its CUDA
+    tensors; its Work copies the results back when it completes."""
+    outputs: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    inputs: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    staged = [_to_host(a, outputs if i == 0 and name not in _READ_ONLY else inputs) for i, a in enumerate(args)]
+    work = method(pg, *staged, **kwargs)
+    # The future holds the caller's tensors, as with NCCL, not the host copies (the CPU path,
+    # like any caller of it, may drop its inputs in flight: it keeps what the engine reads).
+    of_copy = {id(host): original for original, host in outputs + inputs}
+    work.after_results(lambda: _copy_back(outputs), lambda result: _originals(result, of_copy))
+    return work

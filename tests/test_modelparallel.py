@@ -538,6 +538,36 @@ def test_a_graphed_runs_kept_view_sees_every_change_the_full_walk_sees():
     assert agrees()[1]
 
 
+def test_small_cpu_messages_travel_inside_their_header():
+    """A message whose meta and CPU tensors fit in the header is one send: its tensors come back
+    from the header bit for bit, in every dtype (bool, bfloat16, complex, a strided view, an
+    empty tensor); one that does not fit keeps the header for its meta alone."""
+    import pickle
+
+    from smdistributed.modelparallel.torch import wire
+
+    def roundtrip(tensors):
+        meta, sent, _ = wire.encode(wire.Message("fwd", {"id": (0, 1, 2)}, {"x": tensors}))
+        header, _, packed = wire.header_for(meta, sent)
+        n = int.from_bytes(header.numpy().tobytes()[:8], "little")
+        assert bool(n & wire._PACKED) == packed
+        n &= ~wire._PACKED
+        specs = pickle.loads(header.numpy().tobytes()[8:8 + n])[0]
+        return packed, (wire._unpack(header, 8 + n, specs) if packed else None)
+
+    small = [torch.randn(3, 4), torch.tensor(True), torch.randn(5, dtype=torch.complex64),
+             torch.randn(2, 3).bfloat16(), torch.arange(6).view(2, 3)[:, 1:], torch.empty(0, 3),
+             torch.randn(2, 2, requires_grad=True)]
+    packed, got = roundtrip(small)
+    assert packed
+    for want, have in zip(small, got):
+        assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want.detach())
+    assert not roundtrip([torch.randn(1024)])[0]  # 4 KB of data and a meta: past the header
+    with pytest.raises(RuntimeError, match="claims more tensor data"):
+        wire._unpack(torch.zeros(wire.HEADER_BYTES, dtype=torch.uint8), wire.HEADER_BYTES - 4,
+                     [wire.TensorSpec((2,), torch.float32, False, False)])
+
+
 def test_taking_a_received_message_with_no_cuda_tensors_touches_no_stream():
     """A merged answer (the root's copy of the output and the input gradients, one message) is
     delivered in two halves that share its CUDA receive event; the gradients' half carries no

@@ -389,8 +389,8 @@ def message_stops_halfway():
         time.sleep(pause)
         # A message's header (its meta fits), then nothing more for a while.
         meta, tensors, _ = encode(Message("fwd_done", {"id": (1, 1, 0)}, torch.ones(4)))
-        header, inline = wire.header_for(meta)
-        assert inline == len(meta)
+        header, inline, packed = wire.header_for(meta)  # (not packed: the tensor follows on its own)
+        assert inline == len(meta) and not packed
         dist.send(header, state.topo.pp_group[0], group=state.pp_group, tag=wire.TAG_HEADER)
         time.sleep(pause)
         try:

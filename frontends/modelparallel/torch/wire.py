@@ -5,7 +5,9 @@ sit anywhere (args, kwargs, a model's dict or dataclass output). The body is pic
 each tensor replaced by its index (pickle's persistent ids), so any container type travels
 unchanged and the tensors go as raw data:
 
-    header   4096 bytes, tag TAG_HEADER: meta length (8 bytes) + the meta if it fits
+    header   4096 bytes, tag TAG_HEADER: meta length (8 bytes) + the meta if it fits; when the
+             message's tensors are on the CPU and fit too, they follow the meta there and
+             nothing else is sent (a flag in the length field says so)
     meta     the rest of the meta, tag TAG_META, when it did not fit
     tensors  one message each: CPU tensors on the pipeline group (tag TAG_PAYLOAD), CUDA
              tensors on the one-way group of this (sender, receiver) pair, through NCCL; where
@@ -99,14 +101,50 @@ def encode(msg: Message) -> Tuple[bytes, List[torch.Tensor], List[TensorSpec]]:
     return pickle.dumps((specs, msg.kind, msg.fields, body), protocol=pickle.HIGHEST_PROTOCOL), tensors, specs
 
 
-def header_for(meta: bytes) -> Tuple[torch.Tensor, int]:
-    """A message's header (the meta's length, then as much of the meta as fits) and how many
-    bytes of the meta it carries; the rest goes as TAG_META."""
+# Set in the header's length field when the message's tensors follow the meta inside the header.
+_PACKED = 1 << 62
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's data as a flat uint8 view (any dtype: bool, bfloat16, complex)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def header_for(meta: bytes, tensors: Optional[List[torch.Tensor]] = None) -> Tuple[torch.Tensor, int, bool]:
+    """A message's header (the meta's length, then as much of the meta as fits), how many bytes
+    of the meta it carries (the rest goes as TAG_META), and whether the message's `tensors`
+    went in it too, after the meta (when all are on the CPU and fit): a small message is then
+    one send instead of one per part, and its receiver wakes once (on CPU pipelines of small
+    activations, the parts' sends and waits were most of a message's host time)."""
+    size = sum(t.numel() * t.element_size() for t in tensors) if tensors else 0
+    packed = bool(tensors) and len(meta) + size <= HEADER_BYTES - _LEN and not any(t.is_cuda for t in tensors)
     inline = min(len(meta), HEADER_BYTES - _LEN)
     raw = bytearray(HEADER_BYTES)  # zeroed; built in bytes and wrapped once (one tensor op, not four)
-    raw[:_LEN] = len(meta).to_bytes(_LEN, "little")
+    raw[:_LEN] = (len(meta) | (_PACKED if packed else 0)).to_bytes(_LEN, "little")
     raw[_LEN:_LEN + inline] = meta[:inline]
-    return torch.frombuffer(raw, dtype=torch.uint8), inline
+    header = torch.frombuffer(raw, dtype=torch.uint8)
+    if packed:
+        at = _LEN + inline
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            header[at:at + n].copy_(_bytes_of(_as_sendable(t.detach().contiguous())))
+            at += n
+    return header, inline, packed
+
+
+def _unpack(header: torch.Tensor, at: int, specs: List["TensorSpec"]) -> List[torch.Tensor]:
+    """The tensors a packed header carries from byte `at` on, each a fresh CPU tensor (the
+    header buffer is reused for the next message)."""
+    tensors = []
+    for s in specs:
+        t = torch.empty(s.shape, dtype=s.dtype)
+        n = t.numel() * t.element_size()
+        if at + n > HEADER_BYTES:
+            raise RuntimeError(f"smp: a packed message header claims more tensor data than its {HEADER_BYTES} bytes")
+        _bytes_of(t).copy_(header[at:at + n])
+        tensors.append(t)
+        at += n
+    return tensors
 
 
 def _as_sendable(t: torch.Tensor) -> torch.Tensor:
@@ -221,7 +259,11 @@ class Links:
 
     def send_encoded(self, dst: int, meta: bytes, tensors: List[torch.Tensor],
                      made_at: Optional[Any] = None) -> None:
-        header, inline = header_for(meta)
+        header, inline, packed = header_for(meta, tensors)
+        if packed:  # one send: the header carries the tensors
+            with self._locks[dst]:
+                self._group.send([header], self._rank_of(dst), TAG_HEADER).wait()
+            return
         peer = self._ranks[dst]
         stream = None
         if made_at is not None and any(t.is_cuda for t in tensors):
@@ -276,7 +318,9 @@ class Links:
         # (the rest of the message is lost), not a quiet link.
         raw = header.numpy().tobytes()
         n = int.from_bytes(raw[:_LEN], "little")
-        if n > (1 << 31):
+        packed = bool(n & _PACKED)
+        n &= ~_PACKED
+        if n > (1 << 31) or (packed and n > HEADER_BYTES - _LEN):
             raise RuntimeError(f"smp: a message header from pipeline rank {src} claims {n} bytes of metadata")
         meta = raw[_LEN:_LEN + min(n, HEADER_BYTES - _LEN)]
         if n > len(meta):
@@ -284,6 +328,9 @@ class Links:
             self._group.recv([rest], frm, TAG_META).wait()
             meta += rest.numpy().tobytes()
         specs, kind, fields, body = pickle.loads(meta)
+        if packed:
+            tensors = _unpack(header, _LEN + n, specs)
+            return decode(kind, fields, body, tensors), tensors, specs, None
         tensors = []
         ready = None
         staged = (src, self._me) in self._host_staged

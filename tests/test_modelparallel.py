@@ -563,9 +563,10 @@ def test_small_cpu_messages_travel_inside_their_header():
     for want, have in zip(small, got):
         assert have.dtype == want.dtype and have.shape == want.shape and torch.equal(have, want.detach())
     assert not roundtrip([torch.randn(1024)])[0]  # 4 KB of data and a meta: past the header
-    with pytest.raises(RuntimeError, match="claims more tensor data"):
-        wire._unpack(torch.zeros(wire.HEADER_BYTES, dtype=torch.uint8), wire.HEADER_BYTES - 4,
-                     [wire.TensorSpec((2,), torch.float32, False, False)])
+    for spec in [wire.TensorSpec((2,), torch.float32, False, False),  # 8 bytes where 4 are left
+                 wire.TensorSpec((1 << 40, 1 << 20), torch.float32, False, False)]:  # refused before allocating
+        with pytest.raises(RuntimeError, match="claims more tensor data"):
+            wire._unpack(torch.zeros(wire.HEADER_BYTES, dtype=torch.uint8), wire.HEADER_BYTES - 4, [spec])
 
 
 def test_taking_a_received_message_with_no_cuda_tensors_touches_no_stream():

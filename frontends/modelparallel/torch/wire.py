@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import io
+import math
 import pickle
 import threading
 from contextlib import contextmanager, nullcontext
@@ -137,10 +138,10 @@ def _unpack(header: torch.Tensor, at: int, specs: List["TensorSpec"]) -> List[to
     header buffer is reused for the next message)."""
     tensors = []
     for s in specs:
-        t = torch.empty(s.shape, dtype=s.dtype)
-        n = t.numel() * t.element_size()
-        if at + n > HEADER_BYTES:
+        n = math.prod(s.shape) * s.dtype.itemsize  # checked before anything is allocated
+        if min(s.shape, default=0) < 0 or at + n > HEADER_BYTES:
             raise RuntimeError(f"smp: a packed message header claims more tensor data than its {HEADER_BYTES} bytes")
+        t = torch.empty(s.shape, dtype=s.dtype)
         _bytes_of(t).copy_(header[at:at + n])
         tensors.append(t)
         at += n

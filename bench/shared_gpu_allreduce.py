@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 import warnings
 from pathlib import Path
 
@@ -22,20 +21,9 @@ import torch
 import torch.distributed as dist
 
 import smdistributed.dataparallel.torch.torch_smddp  # noqa: F401
+from gpu_allreduce_bandwidth import time_allreduce  # the same timed loop as the NCCL comparison
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def time_allreduce(t, group, iters, warmup):
-    for _ in range(warmup):
-        dist.all_reduce(t, group=group)
-    torch.cuda.synchronize()
-    dist.barrier(group=group)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        dist.all_reduce(t, group=group)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
 
 
 def main():

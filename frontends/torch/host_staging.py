@@ -16,19 +16,16 @@ import warnings
 from typing import Any, Callable, List, Tuple
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
 # A call's first argument is what it writes (in place, or its outputs), except for send.
 _READ_ONLY = {"send"}
 _warned = False
 
 
-def cuda_tensors(obj) -> List[torch.Tensor]:
+def cuda_tensors(args) -> List[torch.Tensor]:
     """The CUDA tensors in a call's arguments (tensors, lists of them, lists of lists)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_cuda else []
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in cuda_tensors(item)]
-    return []
+    return [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_cuda]
 
 
 def _to_host(obj, pairs: List[Tuple[torch.Tensor, torch.Tensor]]):
@@ -37,18 +34,15 @@ def _to_host(obj, pairs: List[Tuple[torch.Tensor, torch.Tensor]]):
     pairs. The caller synchronizes before anything reads the copies. (Pageable copies, made
     fresh at each call, ran at a third of gloo's speed at 64 MB: page faults and staged DMA;
     torch's host allocator keeps pinned blocks for reuse.)"""
-    if isinstance(obj, torch.Tensor):
-        if not obj.is_cuda:
-            return obj
-        host = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=True)
-        host.copy_(obj.detach(), non_blocking=True)
-        pairs.append((obj, host))
+    def stage(t):
+        if not (isinstance(t, torch.Tensor) and t.is_cuda):
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host.copy_(t.detach(), non_blocking=True)
+        pairs.append((t, host))
         return host
-    if isinstance(obj, list):
-        return [_to_host(item, pairs) for item in obj]
-    if isinstance(obj, tuple):
-        return tuple(_to_host(item, pairs) for item in obj)
-    return obj
+
+    return tree_map(stage, obj)
 
 
 def _copy_back(pairs: List[Tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -77,17 +71,6 @@ def warn_once(rank: int, sharing: List[List[int]]) -> None:
                   "per rank)", stacklevel=3)
 
 
-def _originals(obj, of_copy):
-    """`obj` (a Work's result) with each host copy replaced by the caller's tensor."""
-    if isinstance(obj, torch.Tensor):
-        return of_copy.get(id(obj), obj)
-    if isinstance(obj, list):
-        return [_originals(item, of_copy) for item in obj]
-    if isinstance(obj, tuple):
-        return tuple(_originals(item, of_copy) for item in obj)
-    return obj
-
-
 def run(pg, method: Callable, name: str, args: Tuple[Any, ...], kwargs) -> Any:
     """Runs `method` (a collective of the process group `pg`) on host copies of its CUDA
     tensors; its Work copies the results back when it completes."""
@@ -99,5 +82,6 @@ def run(pg, method: Callable, name: str, args: Tuple[Any, ...], kwargs) -> Any:
     # The future holds the caller's tensors, as with NCCL, not the host copies (the CPU path,
     # like any caller of it, may drop its inputs in flight: it keeps what the engine reads).
     of_copy = {id(host): original for original, host in outputs + inputs}
-    work.after_results(lambda: _copy_back(outputs), lambda result: _originals(result, of_copy))
+    work.after_results(lambda: _copy_back(outputs),
+                       lambda result: tree_map(lambda t: of_copy.get(id(t), t), result))
     return work

@@ -12,6 +12,10 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-bench_out}
 part=${1:-all}
+case "$part" in
+    peers | defer | all) ;;
+    *) echo "pipeline_2gpu.sh: unknown part '$part' (peers, defer or all)" >&2; exit 2 ;;
+esac
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 run() { torchrun --nproc_per_node 2 bench/pipeline_bench.py "$@"; }
